@@ -1,0 +1,162 @@
+"""Reading a Hugging Face checkpoint directory: config.json and weights, one tensor at a time.
+
+Weights are found through `model.safetensors.index.json`, else every `*.safetensors` file. Pickle checkpoints
+(`*.bin`, `*.pt`, `*.pth`) can run arbitrary code when loaded, so they are refused unless the caller opts in,
+and then loaded with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from toolchain.checkpoint.safetensors_io import TensorInfo, read_header
+from toolchain.errors import UserError
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+# Files copied next to the converted weights so later stages (and TensorRT-LLM) find the tokenizer.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "generation_config.json",
+)
+TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise UserError(f"{path} not found; a Hugging Face model dir needs its config.json") from e
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object at the top level")
+    return data
+
+
+@dataclass
+class HFCheckpoint:
+    """A Hugging Face model directory, opened lazily: headers are read up front, tensor data on demand."""
+
+    root: Path
+    config: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    files: dict[str, Path]  # tensor name -> file holding it
+    _pickled: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, root: Path, allow_pickle: bool = False) -> HFCheckpoint:
+        if not root.exists():
+            raise UserError(f"model dir {root} does not exist; pass the directory holding config.json")
+        if not root.is_dir():
+            raise UserError(f"model path {root} is not a directory; pass the directory holding config.json")
+        config = load_json(root / "config.json")
+        weight_files = _safetensors_files(root)
+        if weight_files:
+            return cls._from_safetensors(root, config, weight_files)
+        pickles = sorted(p for pat in PICKLE_PATTERNS for p in root.glob(pat))
+        if not pickles:
+            raise UserError(f"{root}: no *.safetensors weights found; is this a Hugging Face model dir?")
+        if not allow_pickle:
+            raise UserError(
+                f"{root}: only pickle weights ({pickles[0].name}); pickle can run code when loaded. "
+                "Convert them to safetensors, or pass --allow-pickle if you trust the source"
+            )
+        return cls._from_pickle(root, config, pickles)
+
+    @classmethod
+    def _from_safetensors(cls, root: Path, config: dict[str, Any], paths: list[Path]) -> HFCheckpoint:
+        tensors: dict[str, TensorInfo] = {}
+        files: dict[str, Path] = {}
+        for path in paths:
+            infos, _ = read_header(path)
+            for name, info in infos.items():
+                if name in tensors:
+                    raise UserError(f"{path}: tensor {name!r} also in {files[name].name}; remove the duplicate")
+                tensors[name] = info
+                files[name] = path
+        return cls(root, config, tensors, files)
+
+    @classmethod
+    def _from_pickle(cls, root: Path, config: dict[str, Any], paths: list[Path]) -> HFCheckpoint:
+        pickled: dict[str, torch.Tensor] = {}
+        files: dict[str, Path] = {}
+        for path in paths:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # torch raises many types for damaged or unsafe pickles
+                raise UserError(f"{path}: cannot load as a weights-only pickle ({type(e).__name__}: {e})") from e
+            for name, tensor in state.items():
+                pickled[name] = tensor
+                files[name] = path
+        tensors = {n: TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in pickled.items()}
+        return cls(root, config, tensors, files, pickled)
+
+    @property
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self.files.values()))
+
+    def tokenizer_files(self) -> list[Path]:
+        return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
+
+    def has_tokenizer(self) -> bool:
+        return any((self.root / n).is_file() for n in TOKENIZER_CORE)
+
+    def reader(self) -> TensorReader:
+        return TensorReader(self)
+
+
+class TensorReader:
+    """Context manager handing out tensors one at a time from open safetensors handles."""
+
+    def __init__(self, ckpt: HFCheckpoint) -> None:
+        self._ckpt = ckpt
+        self._stack = ExitStack()
+        self._handles: dict[Path, Any] = {}
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def get(self, name: str) -> torch.Tensor:
+        if name in self._ckpt._pickled:
+            return self._ckpt._pickled[name]
+        path = self._ckpt.files[name]
+        if path not in self._handles:
+            self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
+        tensor: torch.Tensor = self._handles[path].get_tensor(name)
+        return tensor
+
+    def names(self) -> Iterator[str]:
+        return iter(self._ckpt.tensors)
+
+
+def _safetensors_files(root: Path) -> list[Path]:
+    index = root / SAFETENSORS_INDEX
+    if index.is_file():
+        weight_map = load_json(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise UserError(f"{index}: missing or empty 'weight_map'; re-export the checkpoint")
+        paths = sorted({root / str(f) for f in weight_map.values()})
+        missing = [p.name for p in paths if not p.is_file()]
+        if missing:
+            raise UserError(f"{index} lists shard(s) not in {root}: {', '.join(missing)}; download them")
+        return paths
+    return sorted(root.glob("*.safetensors"))

@@ -1,0 +1,165 @@
+"""Llama (`LlamaForCausalLM`): HF config -> TensorRT-LLM config, and the weight-name table.
+
+Names and conventions checked against TensorRT-LLM's own converter (tensorrt_llm/models/llama/convert.py and
+config.py, `LLaMAConfig.from_hugging_face`):
+- q, k, v projections are fused along the output dim into `attention.qkv` (order q, k, v); o_proj -> `dense`.
+- TensorRT-LLM's GatedMLP computes act(fc(x)) * gate(x), so HF `gate_proj` (the activated branch) -> `mlp.fc`
+  and HF `up_proj` -> `mlp.gate`; `down_proj` -> `mlp.proj`.
+- position_embedding_type 'rope_gpt_neox' (rotate-half), rotary_base = rope_theta, rotary_scaling = the HF
+  rope scaling dict as is (e.g. {"rope_type": "llama3", "factor": 8.0, ...}).
+- Tied embeddings still get an `lm_head.weight` (a copy of the embedding), as TensorRT-LLM writes it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from toolchain.checkpoint.trtllm import DTYPES, ModelConfig
+from toolchain.errors import UserError
+
+Shape = tuple[int, ...]
+
+# Tensors present in some HF Llama checkpoints that carry no weights (recomputed from the config).
+DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.inv_freq"),)
+
+# Rope scaling types the reference forward (and our attention plugin) implement.
+ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# One row per output tensor of a layer: TRT-LLM name <- HF name(s); several sources are concatenated on dim 0.
+_LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",)),
+    ("attention.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("attention.dense.weight", ("self_attn.o_proj.weight",)),
+    ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.fc.weight", ("mlp.gate_proj.weight",)),
+    ("mlp.gate.weight", ("mlp.up_proj.weight",)),
+    ("mlp.proj.weight", ("mlp.down_proj.weight",)),
+)
+_ATTN_BIAS_TABLE = (
+    ("attention.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
+    ("attention.dense.bias", ("self_attn.o_proj.bias",)),
+)
+_MLP_BIAS_TABLE = (
+    ("mlp.fc.bias", ("mlp.gate_proj.bias",)),
+    ("mlp.gate.bias", ("mlp.up_proj.bias",)),
+    ("mlp.proj.bias", ("mlp.down_proj.bias",)),
+)
+
+
+def _require(hf: dict[str, Any], key: str, source: str) -> int:
+    value = hf.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{source}: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or the older keys."""
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(hf.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling")
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise UserError(f"{source}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return theta, None
+    needed = _LLAMA3_KEYS if kind == "llama3" else ("factor",)
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        raise UserError(f"{source}: rope scaling {kind!r} lacks {', '.join(missing)}")
+    return theta, dict(sorted(scaling.items()))
+
+
+def source_dtype(hf: dict[str, Any]) -> str | None:
+    value = hf.get("torch_dtype", hf.get("dtype"))
+    return value if value in DTYPES else None
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
+    hidden = _require(hf, "hidden_size", source)
+    heads = _require(hf, "num_attention_heads", source)
+    kv_heads = hf.get("num_key_value_heads") or heads
+    head_dim = hf.get("head_dim") or hidden // heads
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"{source}: hidden_act {act!r} is not supported for Llama; supported: silu")
+    theta, scaling = _rope(hf, source)
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        dtype=dtype,
+        vocab_size=_require(hf, "vocab_size", source),
+        hidden_size=hidden,
+        num_hidden_layers=_require(hf, "num_hidden_layers", source),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads),
+        head_size=int(head_dim),
+        intermediate_size=_require(hf, "intermediate_size", source),
+        hidden_act=act,
+        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        position_embedding_type="rope_gpt_neox",
+        rotary_base=theta,
+        rotary_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attn_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+    )
+
+
+def _lm_head_source(cfg: ModelConfig, available: set[str]) -> str:
+    if "lm_head.weight" in available or not cfg.tie_word_embeddings:
+        return "lm_head.weight"
+    return "model.embed_tokens.weight"
+
+
+def weight_table(cfg: ModelConfig, available: set[str]) -> list[tuple[str, tuple[str, ...]]]:
+    rows = list(_LAYER_TABLE)
+    if cfg.attn_bias:
+        rows += _ATTN_BIAS_TABLE
+    if cfg.mlp_bias:
+        rows += _MLP_BIAS_TABLE
+    table = [
+        ("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",)),
+        ("transformer.ln_f.weight", ("model.norm.weight",)),
+        ("lm_head.weight", (_lm_head_source(cfg, available),)),
+    ]
+    for i in range(cfg.num_hidden_layers):
+        table += [
+            (f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs)) for dst, srcs in rows
+        ]
+    return table
+
+
+def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, Shape]:
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+    per_layer: dict[str, Shape] = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (h,),
+        "mlp.gate_proj.weight": (i, h),
+        "mlp.up_proj.weight": (i, h),
+        "mlp.down_proj.weight": (h, i),
+        "mlp.gate_proj.bias": (i,),
+        "mlp.up_proj.bias": (i,),
+        "mlp.down_proj.bias": (h,),
+    }
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{layer}.{k}": s for k, s in per_layer.items()})
+    return shapes

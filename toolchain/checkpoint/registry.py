@@ -1,0 +1,51 @@
+"""Model families by Hugging Face architecture name, imported lazily.
+
+Adding a family = one module with the `Family` attributes + one line in `_FAMILIES`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Protocol
+
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.errors import UserError
+
+# HF `architectures[0]` -> module implementing it.
+_FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "toolchain.checkpoint.llama",
+}
+
+Shape = tuple[int, ...]
+
+
+class Family(Protocol):
+    """What a family module provides (module-level names)."""
+
+    DROPPED: tuple[re.Pattern[str], ...]
+
+    def config_from_hf(self, hf: dict[str, Any], dtype: str, source: str) -> ModelConfig: ...
+
+    def source_shapes(self, cfg: ModelConfig, available: set[str]) -> dict[str, Shape]: ...
+
+    def weight_table(self, cfg: ModelConfig, available: set[str]) -> list[tuple[str, tuple[str, ...]]]: ...
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_FAMILIES)
+
+
+def family_for(hf_config: dict[str, Any], source: str) -> tuple[str, Family]:
+    archs = hf_config.get("architectures") or []
+    if not isinstance(archs, list) or not archs:
+        raise UserError(
+            f"{source}: no 'architectures' entry; add one, e.g. \"architectures\": [\"LlamaForCausalLM\"]"
+        )
+    arch = str(archs[0])
+    if arch not in _FAMILIES:
+        raise UserError(
+            f"{source}: architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
+        )
+    module: Family = importlib.import_module(_FAMILIES[arch])  # type: ignore[assignment]
+    return arch, module

@@ -1,0 +1,143 @@
+"""Safetensors at the byte level: a validating header reader and a streaming writer.
+
+The `safetensors` package reads tensors one at a time (`safe_open`), which we use, but it only writes a whole
+dict held in memory. Conversion must not hold the model in memory, so the writer here lays out the header from
+the planned names/shapes/dtypes first and then streams each tensor's bytes. Format (huggingface/safetensors
+README): u64 little-endian header length N, N bytes of JSON header {name: {dtype, shape, data_offsets}},
+optional "__metadata__" of str->str, then the data buffer; offsets are relative to the buffer start.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from toolchain.errors import UserError
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+_MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor as a safetensors header declares it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, int] = (0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and validate the header of `path`; raise a one-line UserError on a damaged file."""
+    size = path.stat().st_size
+    fix = "the file is damaged or incomplete; re-download or re-export it"
+    with path.open("rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise UserError(f"{path}: only {size} bytes, too short for a safetensors header; {fix}")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > _MAX_HEADER or 8 + n > size:
+            raise UserError(f"{path}: header length {n} goes beyond the file's {size} bytes; {fix}")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"{path}: header is not valid JSON ({e}); {fix}") from e
+    if not isinstance(header, dict):
+        raise UserError(f"{path}: header is not a JSON object; {fix}")
+    metadata = header.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    data_len = size - 8 - n
+    end_max = 0
+    for name, entry in header.items():
+        try:
+            dtype = DTYPES[entry["dtype"]]
+            shape = tuple(int(d) for d in entry["shape"])
+            begin, end = (int(o) for o in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path}: tensor {name!r} has a malformed or unsupported header entry {entry}") from e
+        info = TensorInfo(name, dtype, shape, (begin, end))
+        if end - begin != info.nbytes or begin < 0:
+            raise UserError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match shape {list(shape)}; {fix}")
+        if end > data_len:
+            raise UserError(
+                f"{path}: truncated: tensor {name!r} ends at byte {end} of the data but the file holds "
+                f"{data_len}; {fix}"
+            )
+        end_max = max(end_max, end)
+        infos[name] = info
+    return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in the order of the planned `infos`."""
+
+    def __init__(self, path: Path, infos: list[TensorInfo], metadata: dict[str, str] | None = None) -> None:
+        self._path = path
+        self._pending = list(infos)
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = dict(sorted(metadata.items()))
+        offset = 0
+        for info in infos:
+            header[info.name] = {
+                "dtype": DTYPE_NAMES[info.dtype],
+                "shape": list(info.shape),
+                "data_offsets": [offset, offset + info.nbytes],
+            }
+            offset += info.nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # align the data buffer to 8 bytes, as the library does
+        self._file: BinaryIO = path.open("wb")
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        if not self._pending:
+            raise RuntimeError(f"{self._path}: tensor {name} written but none are left in the plan")
+        info = self._pending.pop(0)
+        assert name == info.name, f"write order: expected {info.name}, got {name}"
+        assert tensor.dtype == info.dtype and tuple(tensor.shape) == info.shape, (
+            f"{name}: planned {info.dtype}{list(info.shape)}, got {tensor.dtype}{list(tensor.shape)}"
+        )
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        self._file.write(memoryview(flat.numpy()))
+
+    def close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if self._pending:
+            raise RuntimeError(f"{self._path}: {len(self._pending)} planned tensors were never written")
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self._file.close()

@@ -1,0 +1,130 @@
+"""The TensorRT-LLM checkpoint format: `config.json` plus `rank{N}.safetensors`.
+
+Field names and defaults follow TensorRT-LLM's docs/source/architecture/checkpoint.md and
+`PretrainedConfig.to_dict` (tensorrt_llm/models/modeling_utils.py); family-specific fields (rotary_*, attn_bias,
+mlp_bias for Llama: tensorrt_llm/models/llama/config.py) live in the same flat object. This module is the one
+place that reads and writes that format.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from toolchain.checkpoint.hf import load_json
+from toolchain.errors import UserError
+
+CONFIG_NAME = "config.json"
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def rank_file(rank: int) -> str:
+    return f"rank{rank}.safetensors"
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """How the model is split over GPUs; world_size = tp_size * pp_size."""
+
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size != self.tp_size * self.pp_size:
+            raise UserError(f"mapping: world_size {self.world_size} != tp_size {self.tp_size} * pp_size {self.pp_size}")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """The `quantization` object; all null/False for an unquantized checkpoint."""
+
+    quant_algo: str | None = None
+    kv_cache_quant_algo: str | None = None
+    group_size: int = 128
+    has_zero_point: bool = False
+    pre_quant_scale: bool = False
+    exclude_modules: list[str] | None = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A TensorRT-LLM checkpoint config. `to_dict` is the exact JSON written to config.json."""
+
+    architecture: str
+    dtype: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_size: int
+    intermediate_size: int
+    hidden_act: str
+    norm_epsilon: float
+    max_position_embeddings: int
+    position_embedding_type: str = "rope_gpt_neox"
+    rotary_base: float = 10000.0
+    rotary_scaling: dict[str, Any] | None = None
+    logits_dtype: str = "float32"
+    tie_word_embeddings: bool = False
+    use_parallel_embedding: bool = False
+    embedding_sharding_dim: int = 0
+    share_embedding_table: bool = False
+    attn_bias: bool = False
+    mlp_bias: bool = False
+    mapping: Mapping = field(default_factory=Mapping)
+    quantization: QuantConfig = field(default_factory=QuantConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise UserError(f"dtype {self.dtype!r} not supported; choose one of {', '.join(DTYPES)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise UserError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_key_value_heads}"
+            )
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = CONFIG_NAME) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        args = {k: v for k, v in data.items() if k in known}
+        try:
+            args["mapping"] = Mapping(**data.get("mapping", {}))
+            args["quantization"] = QuantConfig(**(data.get("quantization") or {}))
+            return cls(**args)
+        except TypeError as e:
+            raise UserError(f"{source}: not a TensorRT-LLM checkpoint config ({e})") from e
+
+
+def write_config(directory: Path, config: ModelConfig) -> Path:
+    path = directory / CONFIG_NAME
+    path.write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    return path
+
+
+def read_config(directory: Path) -> ModelConfig:
+    return ModelConfig.from_dict(load_json(directory / CONFIG_NAME), str(directory / CONFIG_NAME))
+
+
+def load_rank(directory: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    path = directory / rank_file(rank)
+    if not path.is_file():
+        raise UserError(f"{path} not found; is {directory} a converted checkpoint (trtbuild convert)?")
+    return load_file(str(path))

@@ -1,0 +1,200 @@
+"""The manifest: what went into an artifact, what came out, and with which software and hardware.
+
+Every output directory gets a `manifest.json`. `verify` re-hashes the files it lists.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from toolchain import __version__
+from toolchain.atomic import MANIFEST_NAME
+from toolchain.errors import UserError
+
+SCHEMA_VERSION = 1
+PACKAGES = ("torch", "transformers", "safetensors", "onnx", "onnxruntime", "cuda-bindings", "cuda-python")
+_CHUNK = 8 << 20
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_entry(path: Path, root: Path) -> dict[str, Any]:
+    return {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _tensorrt_version() -> str | None:
+    try:
+        import tensorrt  # noqa: PLC0415  (optional: absent on CPU machines)
+
+        return str(tensorrt.__version__)
+    except Exception:  # absent, or bindings without the libraries
+        return None
+
+
+def _run(cmd: list[str]) -> str | None:
+    if shutil.which(cmd[0]) is None:
+        return None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu_info() -> dict[str, Any]:
+    """Name, SM, driver and CUDA version of GPU 0; all null when there is none (not an error)."""
+    info: dict[str, Any] = {"name": None, "sm": None, "driver_version": None, "cuda_version": None}
+    out = _run(["nvidia-smi", "--query-gpu=name,compute_cap,driver_version", "--format=csv,noheader"])
+    if out and out.strip():
+        name, cap, driver = (s.strip() for s in out.splitlines()[0].split(","))
+        info.update(name=name, sm=cap.replace(".", ""), driver_version=driver)
+        header = _run(["nvidia-smi"]) or ""
+        if "CUDA Version:" in header:
+            info["cuda_version"] = header.split("CUDA Version:")[1].split()[0]
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git_commit() -> dict[str, Any]:
+    src = Path(__file__).resolve().parent.parent
+    commit = _run(["git", "-C", str(src), "rev-parse", "HEAD"])
+    if not commit:
+        return {"git_commit": None, "git_dirty": None}
+    status = _run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"])
+    return {"git_commit": commit.strip(), "git_dirty": bool(status and status.strip())}
+
+
+def environment() -> dict[str, Any]:
+    packages = {name: _package_version(name) for name in PACKAGES}
+    packages["tensorrt"] = _tensorrt_version()
+    return {
+        "toolchain": {"version": __version__, **_git_commit()},
+        "host": {
+            "os": platform.platform(),
+            "python": platform.python_version(),
+            "cpu": _cpu_model(),
+            "cpu_count": os.cpu_count(),
+        },
+        "packages": packages,
+        "gpu": gpu_info(),
+    }
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
+
+@dataclass
+class StageRecord:
+    """Collects what one stage did; `write` turns it into manifest.json in the stage's directory."""
+
+    stage: str
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+    started: float = field(default_factory=time.monotonic)
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    recipe: dict[str, Any] | None = None
+    recipe_sha256: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    def add_inputs(self, root: Path, paths: list[Path]) -> None:
+        root = root.resolve()
+        for path in sorted(set(paths)):
+            self.inputs.append({"root": str(root), **file_entry(path.resolve(), root)})
+
+    def write(self, out_dir: Path) -> dict[str, Any]:
+        outputs = [
+            file_entry(p, out_dir)
+            for p in sorted(out_dir.rglob("*"))
+            if p.is_file() and p.relative_to(out_dir).as_posix() != MANIFEST_NAME
+        ]
+        manifest = {
+            "schema_version": SCHEMA_VERSION,
+            "stage": self.stage,
+            "command": self.command,
+            "recipe": self.recipe,
+            "recipe_sha256": self.recipe_sha256,
+            **environment(),
+            "details": self.details,
+            "warnings": self.warnings,
+            "inputs": self.inputs,
+            "outputs": outputs,
+            "wall_time_s": round(time.monotonic() - self.started, 3),
+            "peak_rss_bytes": peak_rss_bytes(),
+        }
+        (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        return manifest
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    path = directory / MANIFEST_NAME
+    if not path.is_file():
+        raise UserError(f"{path} not found; {directory} is not a trtbuild artifact (or was not finished)")
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+    if data.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{path}: schema_version {data.get('schema_version')!r}; this trtbuild reads {SCHEMA_VERSION}")
+    return data
+
+
+def verify(directory: Path, check_inputs: bool = False) -> list[str]:
+    """Problems found re-hashing `directory` against its manifest; empty when everything matches."""
+    manifest = read_manifest(directory)
+    problems = _check_files(directory, manifest["outputs"])
+    listed = {e["path"] for e in manifest["outputs"]} | {MANIFEST_NAME}
+    problems += [
+        f"unlisted: {p.relative_to(directory).as_posix()}"
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.relative_to(directory).as_posix() not in listed
+    ]
+    if check_inputs:
+        for entry in manifest["inputs"]:
+            problems += _check_files(Path(entry["root"]), [entry], label="input ")
+    return problems
+
+
+def _check_files(root: Path, entries: list[dict[str, Any]], label: str = "") -> list[str]:
+    problems = []
+    for entry in entries:
+        path = root / entry["path"]
+        if not path.is_file():
+            problems.append(f"{label}missing: {path if label else entry['path']}")
+        elif path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+            problems.append(f"{label}changed: {path if label else entry['path']} (sha256 differs from the manifest)")
+    return problems

@@ -1,0 +1,1 @@
+"""The reference forward pass over OUR checkpoint format: the numerical oracle for every later stage."""
