@@ -1,0 +1,43 @@
+# trtbuild — the README's commands. `make setup` installs everything into .venv; `make test` runs the tests.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# CPU machines without a GPU: torch==2.13.0 (a CPU build lies on this kind of machine's disk).
+# With a GPU: `make setup TORCH=torch` to get your usual CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup test lint demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH)"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	# tensorrt-stubs depends on `tensorrt`, whose package needs NVIDIA's index: install the stubs alone.
+	$(BIN)/pip install --quiet --no-deps 'tensorrt-stubs>=10.13,<11'
+	touch $(STAMP)
+
+# pytest exits 5 when it collected no tests: that is a failure, not a pass.
+test: $(STAMP)
+	@$(BIN)/python -m pytest -q; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+lint: $(STAMP)
+	$(BIN)/ruff check toolchain tests bench
+	$(BIN)/ruff format --check toolchain tests bench
+	$(BIN)/mypy
+
+demo: $(STAMP)
+	$(BIN)/trtbuild tiny-model demo/tiny-llama --seed 0 --force
+	$(BIN)/trtbuild run recipes/demo.yaml --force
+	$(BIN)/trtbuild inspect demo/out
+	$(BIN)/trtbuild verify demo/out
+
+bench: $(STAMP)
+	$(BIN)/python bench/convert.py
+
+clean:
+	rm -rf demo .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random HF Llamas written by transformers, the shared real model, a CLI runner."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from toolchain.cli import app
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+STORIES = SHARED / "models" / "stories260K-hf"
+
+BASE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 97,
+    "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def save_random_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
+    """A random Llama saved by transformers. Weights are drawn wide (norms around 1, not exactly 1) so that a
+    swapped tensor or a wrong rotary changes the logits and their argmax by a clear margin."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**BASE, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    model.to(dtype).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture
+def make_llama(tmp_path: Path) -> Callable[..., Path]:
+    counter = iter(range(1000))
+
+    def make(**overrides: Any) -> Path:
+        return save_random_llama(tmp_path / f"hf{next(counter)}", **overrides)
+
+    return make
+
+
+@pytest.fixture
+def stories() -> Path:
+    if not (STORIES / "config.json").is_file():
+        pytest.skip(f"shared data absent: {STORIES} (present in CI; a fresh clone has no ../shared)")
+    return STORIES
+
+
+@pytest.fixture
+def cli() -> Callable[..., Any]:
+    runner = CliRunner()
+
+    def invoke(*args: str) -> Any:
+        return runner.invoke(app, [str(a) for a in args])
+
+    return invoke
+
+
+def one_line_error(result: Any) -> str:
+    """Assert the user-error contract: exit 1, exactly one line on stderr starting with 'error:'."""
+    assert result.exit_code == 1, (result.exit_code, result.stdout, result.stderr)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    assert len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr
+    return errors[0]

@@ -1,0 +1,61 @@
+"""The embedded default model: a small random Llama in Hugging Face format, made here, never downloaded.
+
+Fixed seed, a few MB, GQA 4:1, untied head, with a byte-level tokenizer, so the whole pipeline can run on
+a fresh machine with no data and no network.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolchain.atomic import atomic_dir
+from toolchain.manifest import StageRecord
+
+# Byte-level BPE without merges: every byte is a token, plus the three Llama specials.
+SPECIALS = ("<unk>", "<s>", "</s>")
+CONFIG: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 344,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "vocab_size": 320,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_vocab = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({ch: len(SPECIALS) + i for i, ch in enumerate(sorted(byte_vocab))})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=512
+    )
+
+
+def make_tiny_llama(out: Path, seed: int = 0, force: bool = False) -> dict[str, Any]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    record = StageRecord("tiny-model", details={"seed": seed, "config": CONFIG})
+    with atomic_dir(out, force) as tmp:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG, dtype="float32"))
+        model.save_pretrained(tmp, safe_serialization=True)
+        _tokenizer().save_pretrained(tmp)
+        manifest = record.write(tmp)
+    params = sum(p.numel() for p in model.parameters())
+    return {"output_dir": str(out.resolve()), "num_parameters": params, "seed": seed, "outputs": manifest["outputs"]}

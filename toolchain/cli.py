@@ -1,0 +1,232 @@
+"""The `trtbuild` command line: thin wrappers that parse options, call a stage, and print its result.
+
+Exit codes: 0 ok, 1 user error (one line on stderr), 2 usage error. TRTBUILD_DEBUG=1 shows tracebacks.
+Results go to stdout (`--json` for machines); logs and progress go to stderr.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, Any
+
+import typer
+
+from toolchain import __version__, console
+from toolchain.errors import UserError
+
+app = typer.Typer(
+    name="trtbuild",
+    help="Build quantized TensorRT-LLM engines from Hugging Face checkpoints, with provenance and a quality gate.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
+)
+recipe_app = typer.Typer(help="Recipe tools: schema for editors and CI validation.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+class Dtype(str, Enum):
+    auto = "auto"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+    float32 = "float32"
+
+
+# Shared options, declared once.
+OutputOpt = Annotated[Path, typer.Option("--output", "-o", help="Output directory (written atomically).")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace an existing trtbuild output directory.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the result as JSON on stdout.")]
+
+
+def _sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt  # unwinds like Ctrl-C, so partial outputs are removed
+
+
+@contextmanager
+def _handled() -> Iterator[None]:
+    try:
+        yield
+    except UserError as e:
+        if os.environ.get("TRTBUILD_DEBUG"):
+            raise
+        console.err.print(f"error: {e}", style="red", markup=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        if os.environ.get("TRTBUILD_DEBUG"):
+            raise
+        console.err.print("interrupted: no output was left behind", style="red")
+        raise typer.Exit(130) from None
+
+
+def _emit(result: dict[str, Any], as_json: bool, lines: list[str]) -> None:
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        typer.echo("\n".join(lines))
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"trtbuild {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    signal.signal(signal.SIGTERM, _sigterm)
+
+
+@app.command(epilog="Example: `trtbuild convert ./Llama-3.2-1B -o ./ckpt --dtype bfloat16`")
+def convert(
+    model_dir: Annotated[Path, typer.Argument(help="Hugging Face model dir (config.json + *.safetensors).")],
+    output: OutputOpt,
+    dtype: Annotated[Dtype, typer.Option(help="Weight dtype; auto keeps the checkpoint's.")] = Dtype.auto,
+    force: ForceOpt = False,
+    allow_pickle: Annotated[
+        bool, typer.Option("--allow-pickle", help="Accept pickle weights (*.bin), loaded with weights_only=True.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Convert a Hugging Face checkpoint into a TensorRT-LLM checkpoint (config.json + rank0.safetensors)."""
+    from toolchain.checkpoint.convert import convert as run_convert
+
+    with _handled():
+        r = run_convert(model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle)
+    _emit(r, json_out, [
+        f"converted {r['architecture']} -> {r['output_dir']}",
+        f"  dtype {r['dtype']}, {r['num_tensors']} tensors, {r['num_parameters']:,} parameters, "
+        f"{r['wall_time_s']:.2f} s",
+        *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in r["outputs"]),
+    ])
+
+
+@app.command(epilog="Example: `trtbuild inspect ./ckpt --json`")
+def inspect(
+    directory: Annotated[Path, typer.Argument(help="A checkpoint (later: engine) or run output directory.")],
+    json_out: JsonOpt = False,
+) -> None:
+    """Show what an artifact is: architecture, dtype, mapping, quantization, and its manifest's summary."""
+    from toolchain.inspect import describe
+
+    with _handled():
+        info = describe(directory)
+    _emit(info, json_out, _describe_lines(info))
+
+
+def _describe_lines(info: dict[str, Any], indent: str = "") -> list[str]:
+    lines = [f"{indent}{info['path']}  ({info['kind']})"]
+    if "architecture" in info:
+        lines += [
+            f"{indent}  architecture  {info['architecture']}  dtype {info['dtype']}",
+            f"{indent}  shape         {info['layers']} layers, hidden {info['hidden_size']}, heads "
+            f"{info['heads']}/{info['kv_heads']} kv, head_size {info['head_size']}, vocab {info['vocab_size']}",
+            f"{indent}  rotary        scaling {info['rotary_scaling']}",
+            f"{indent}  mapping       {info['mapping']}",
+            f"{indent}  quantization  {info['quantization']['quant_algo'] or 'none'} "
+            f"(kv cache: {info['quantization']['kv_cache_quant_algo'] or 'none'})",
+            f"{indent}  rank files    " + ", ".join(f"{n} ({s:,} B)" for n, s in info["rank_files"].items()),
+        ]
+    if "manifest" in info:
+        m = info["manifest"]
+        lines.append(
+            f"{indent}  manifest      stage {m['stage']}, trtbuild {m['toolchain_version']} "
+            f"({(m['git_commit'] or 'no git')[:12]}), {m['inputs']} inputs, {m['outputs']} outputs "
+            f"({m['output_bytes']:,} B), {m['wall_time_s']} s, peak RSS {m['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
+        lines += [f"{indent}  warning       {w}" for w in m["warnings"]]
+    for child in info.get("stages", {}).values():
+        lines += _describe_lines(child, indent + "  ")
+    return lines
+
+
+@app.command(epilog="Example: `trtbuild verify ./ckpt` (exit 1 lists every mismatch)")
+def verify(
+    directory: Annotated[Path, typer.Argument(help="An artifact directory with a manifest.json.")],
+    inputs: Annotated[bool, typer.Option("--inputs", help="Also re-hash the input files the manifest lists.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-hash every file listed in the manifest; exit 1 naming each mismatch."""
+    from toolchain.manifest import verify as run_verify
+
+    with _handled():
+        problems = run_verify(directory, check_inputs=inputs)
+    _emit({"ok": not problems, "problems": problems}, json_out,
+          [f"{directory}: {'ok' if not problems else f'{len(problems)} problem(s)'}"])
+    for problem in problems:
+        console.err.print(f"mismatch: {problem}", markup=False)
+    if problems:
+        raise typer.Exit(1)
+
+
+@app.command(epilog="Example: `trtbuild run recipes/demo.yaml -o out/demo --set model.dtype=bfloat16`")
+def run(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe (see recipes/ and `trtbuild recipe schema`).")],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Output directory; default: the recipe's 'output'.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a recipe key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
+    ] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Run a recipe's stages (now: convert) into one output directory with manifests."""
+    from toolchain.pipeline import run_recipe
+    from toolchain.recipe import load_recipe
+
+    with _handled():
+        loaded = load_recipe(recipe, set_ or [])
+        r = run_recipe(loaded, output, force=force)
+    conv = r["stages"]["convert"]
+    _emit(r, json_out, [
+        f"ran {r['recipe']} -> {r['output_dir']}",
+        f"  recipe sha256 {r['recipe_sha256']}",
+        f"  convert: {conv['architecture']}, {conv['dtype']}, {conv['num_tensors']} tensors, "
+        f"{conv['num_parameters']:,} parameters",
+        f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
+    ])
+
+
+@recipe_app.command("schema", epilog="Example: `trtbuild recipe schema > recipe.schema.json`")
+def recipe_schema() -> None:
+    """Print the recipe's JSON Schema (for editors and CI validation)."""
+    from toolchain.recipe import schema
+
+    typer.echo(json.dumps(schema(), indent=2))
+
+
+@app.command("tiny-model", epilog="Example: `trtbuild tiny-model demo/tiny-llama --seed 0`")
+def tiny_model(
+    output: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model dir.")],
+    seed: Annotated[int, typer.Option(help="Random seed for the weights.")] = 0,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Create the embedded default: a small random Llama (HF format, a few MB) made by trtbuild itself."""
+    from toolchain.checkpoint.tiny import make_tiny_llama
+
+    with _handled():
+        r = make_tiny_llama(output, seed=seed, force=force)
+    _emit(r, json_out, [f"wrote tiny Llama ({r['num_parameters']:,} parameters, seed {seed}) -> {r['output_dir']}"])
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

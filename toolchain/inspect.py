@@ -1,0 +1,66 @@
+"""`trtbuild inspect`: what an artifact directory is, from its config and manifest."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolchain.atomic import MANIFEST_NAME
+from toolchain.checkpoint.trtllm import CONFIG_NAME, read_config
+from toolchain.errors import UserError
+from toolchain.manifest import read_manifest
+
+
+def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
+    tool = manifest.get("toolchain", {})
+    return {
+        "stage": manifest.get("stage"),
+        "toolchain_version": tool.get("version"),
+        "git_commit": tool.get("git_commit"),
+        "recipe_sha256": manifest.get("recipe_sha256"),
+        "inputs": len(manifest.get("inputs", [])),
+        "outputs": len(manifest.get("outputs", [])),
+        "output_bytes": sum(e["size"] for e in manifest.get("outputs", [])),
+        "wall_time_s": manifest.get("wall_time_s"),
+        "peak_rss_bytes": manifest.get("peak_rss_bytes"),
+        "gpu": manifest.get("gpu", {}).get("name"),
+        "warnings": manifest.get("warnings", []),
+    }
+
+
+def _checkpoint(directory: Path) -> dict[str, Any]:
+    cfg = read_config(directory)
+    ranks = sorted(directory.glob("rank*.safetensors"))
+    return {
+        "kind": "checkpoint",
+        "architecture": cfg.architecture,
+        "dtype": cfg.dtype,
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_size": cfg.head_size,
+        "vocab_size": cfg.vocab_size,
+        "rotary_scaling": cfg.rotary_scaling,
+        "mapping": cfg.to_dict()["mapping"],
+        "quantization": cfg.to_dict()["quantization"],
+        "rank_files": {p.name: p.stat().st_size for p in ranks},
+    }
+
+
+def describe(directory: Path) -> dict[str, Any]:
+    if not directory.is_dir():
+        raise UserError(f"{directory} is not a directory; pass a checkpoint or run output directory")
+    info: dict[str, Any] = {"path": str(directory.resolve())}
+    if (directory / CONFIG_NAME).is_file():
+        info.update(_checkpoint(directory))
+    children = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / MANIFEST_NAME).is_file()]
+    if children:
+        info["kind"] = info.get("kind", "run")
+        info["stages"] = {p.name: describe(p) for p in children}
+    if "kind" not in info and not (directory / MANIFEST_NAME).is_file():
+        raise UserError(f"{directory}: neither {CONFIG_NAME} nor {MANIFEST_NAME}; not a trtbuild artifact")
+    if (directory / MANIFEST_NAME).is_file():
+        info["manifest"] = _manifest_summary(read_manifest(directory))
+        info.setdefault("kind", info["manifest"]["stage"])
+    return info

@@ -1,0 +1,61 @@
+"""`trtbuild run`: execute a recipe's stages into one output directory.
+
+Layout of the output: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/` now;
+later `quantized/`, `engine/`, `report/`), each with its own manifest, and a top-level manifest over all of it.
+The whole directory is written atomically.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from toolchain.atomic import atomic_dir
+from toolchain.checkpoint.convert import convert
+from toolchain.errors import UserError
+from toolchain.manifest import StageRecord
+from toolchain.recipe import LoadedRecipe
+
+STAGES = ("convert",)
+_RESERVED = ("quantize", "build", "eval")
+
+
+def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> dict[str, Any]:
+    recipe = loaded.recipe
+    out = out_dir or recipe.output
+    if out is None:
+        raise UserError(f"{loaded.path}: no output directory; pass -o OUT_DIR or set 'output:' in the recipe")
+    for section in _RESERVED:
+        if getattr(recipe, section) is not None:
+            raise UserError(
+                f"{loaded.path}: section '{section}' is not supported by this version of trtbuild "
+                f"(stages available: {', '.join(STAGES)}); remove it"
+            )
+    resolved, sha = loaded.resolved(), loaded.sha256
+
+    def record(stage: str) -> StageRecord:
+        return StageRecord(stage, recipe=resolved, recipe_sha256=sha)
+
+    run = record("run")
+    with atomic_dir(out, force, inputs=(recipe.model.path,)) as tmp:
+        (tmp / "recipe.yaml").write_text(loaded.to_yaml())
+        converted = convert(
+            recipe.model.path,
+            tmp / "checkpoint",
+            dtype=recipe.model.dtype,
+            allow_pickle=recipe.model.allow_pickle,
+            record=record("convert"),
+        )
+        run.add_inputs(loaded.path.parent, [loaded.path])
+        run.details.update(stages=list(STAGES), recipe_file=str(loaded.path))
+        run.warnings += converted["warnings"]
+        manifest = run.write(tmp)
+    return {
+        "output_dir": str(out.resolve()),
+        "recipe": str(loaded.path),
+        "recipe_sha256": sha,
+        "stages": {"convert": {k: v for k, v in converted.items() if k not in ("outputs", "output_dir")}},
+        "outputs": manifest["outputs"],
+        "warnings": run.warnings,
+        "wall_time_s": manifest["wall_time_s"],
+    }

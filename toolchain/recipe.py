@@ -1,0 +1,170 @@
+"""Recipes: YAML files that pin down a build, validated into frozen pydantic models.
+
+Unknown keys and wrong types are reported with the dotted key path and the YAML line; relative paths are
+resolved against the recipe's own directory; `--set dotted.key=value` overrides are applied before validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from toolchain.errors import UserError
+
+Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    """The Hugging Face checkpoint to start from."""
+
+    path: Path = Field(description="Hugging Face model directory (config.json + safetensors); relative to the recipe")
+    dtype: Dtype = Field("auto", description="Weight dtype of the converted checkpoint; auto keeps the source's")
+    allow_pickle: bool = Field(False, description="Allow pickle weights (*.bin), loaded with weights_only=True")
+
+
+class QuantizeSection(_Section):
+    """Reserved for the quantize stage (not implemented in this version)."""
+
+
+class BuildSection(_Section):
+    """Reserved for the build stage (not implemented in this version)."""
+
+
+class EvalSection(_Section):
+    """Reserved for the eval stage (not implemented in this version)."""
+
+
+class Recipe(_Section):
+    """A reproducible trtbuild recipe: model x precision x target."""
+
+    version: Literal[1] = Field(1, description="Recipe format version")
+    name: str | None = Field(None, description="A name for the artifact")
+    description: str | None = None
+    seed: int = Field(0, description="Seed for every random choice (calibration sampling, ...)")
+    output: Path | None = Field(None, description="Default output directory (relative to the recipe); -o overrides")
+    model: ModelSection
+    quantize: QuantizeSection | None = None
+    build: BuildSection | None = None
+    eval: EvalSection | None = None
+
+
+@dataclass(frozen=True)
+class LoadedRecipe:
+    recipe: Recipe
+    path: Path
+
+    def resolved(self) -> dict[str, Any]:
+        """The recipe with defaults filled and paths absolute: what actually ran."""
+        return self.recipe.model_dump(mode="json")
+
+    @property
+    def sha256(self) -> str:
+        canonical = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.resolved(), sort_keys=False)
+
+
+def schema() -> dict[str, Any]:
+    return Recipe.model_json_schema()
+
+
+def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRecipe:
+    if not path.is_file():
+        raise UserError(f"recipe {path} does not exist; pass the path of a .yaml recipe (see recipes/)")
+    text = path.read_text()
+    try:
+        root = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e)
+        raise UserError(f"{where}: YAML syntax error: {problem}; fix the YAML") from e
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: a recipe is a mapping of sections (model:, quantize:, ...), got {type(data).__name__}")
+    overridden = {key for key in (_apply_override(data, o) for o in overrides)}
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as e:
+        raise UserError(_explain(e, path, root, overridden)) from e
+    return LoadedRecipe(_resolve_paths(recipe, path.parent.resolve()), path.resolve())
+
+
+def _apply_override(data: dict[str, Any], override: str) -> str:
+    key, sep, raw = override.partition("=")
+    if not sep or not key:
+        raise UserError(f"--set {override!r}: expected dotted.key=value, e.g. --set model.dtype=float16")
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as e:
+        raise UserError(f"--set {override!r}: value is not valid YAML ({e})") from e
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if not isinstance(child, dict):
+            child = node[part] = {}
+        node = child
+    node[parts[-1]] = value
+    return key
+
+
+def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
+    def resolve(p: Path) -> Path:
+        return p if p.is_absolute() else (base / p).resolve()
+
+    model = recipe.model.model_copy(update={"path": resolve(recipe.model.path)})
+    output = resolve(recipe.output) if recipe.output else None
+    return recipe.model_copy(update={"model": model, "output": output})
+
+
+def _explain(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[str]) -> str:
+    first = error.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    key = ".".join(loc)
+    where = f"--set {key}" if key in overridden else f"{path}{_line(root, loc)}"
+    if first["type"] == "extra_forbidden":
+        allowed = ", ".join(_allowed_keys(loc[:-1]))
+        return f"{where}: unknown key '{key}'; allowed here: {allowed}"
+    if first["type"] == "missing":
+        return f"{where}: required key '{key}' is missing; add it (see `trtbuild recipe schema`)"
+    return f"{where}: {key}: {first['msg']} (got {first.get('input')!r})"
+
+
+def _line(root: yaml.Node | None, loc: list[str]) -> str:
+    """':LINE' of the deepest YAML node along `loc` that exists."""
+    node, line = root, None
+    for part in loc:
+        if not isinstance(node, yaml.MappingNode):
+            break
+        match = next(((k, v) for k, v in node.value if k.value == part), None)
+        if match is None:
+            break
+        line = match[0].start_mark.line + 1
+        node = match[1]
+    if line is None and root is not None:
+        line = root.start_mark.line + 1
+    return f":{line}" if line else ""
+
+
+def _allowed_keys(loc: list[str]) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for part in loc:
+        annotation = model.model_fields[part].annotation
+        candidates = [a for a in getattr(annotation, "__args__", (annotation,)) if isinstance(a, type)]
+        model = next(a for a in candidates if issubclass(a, BaseModel))
+    return list(model.model_fields) or ["(none: this section is reserved for a later version)"]
