@@ -127,8 +127,17 @@ def test_tensor_names_fusion_and_config(make_llama: Any, tmp_path: Path) -> None
     assert cfg["rotary_scaling"]["rope_type"] == "llama3" and cfg["rotary_scaling"]["factor"] == 8.0
     assert cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
     assert cfg["quantization"]["quant_algo"] is None
-    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "hidden_act", "norm_epsilon", "max_position_embeddings", "dtype"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "intermediate_size",
+        "hidden_act",
+        "norm_epsilon",
+        "max_position_embeddings",
+        "dtype",
+    ):
         assert key in cfg
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
@@ -96,7 +95,8 @@ def convert(
     dtype: Annotated[Dtype, typer.Option(help="Weight dtype; auto keeps the checkpoint's.")] = Dtype.auto,
     force: ForceOpt = False,
     allow_pickle: Annotated[
-        bool, typer.Option("--allow-pickle", help="Accept pickle weights (*.bin), loaded with weights_only=True.")
+        bool,
+        typer.Option("--allow-pickle", help="Accept pickle weights (*.bin), loaded with weights_only=True."),
     ] = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -105,12 +105,16 @@ def convert(
 
     with _handled():
         r = run_convert(model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle)
-    _emit(r, json_out, [
-        f"converted {r['architecture']} -> {r['output_dir']}",
-        f"  dtype {r['dtype']}, {r['num_tensors']} tensors, {r['num_parameters']:,} parameters, "
-        f"{r['wall_time_s']:.2f} s",
-        *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in r["outputs"]),
-    ])
+    _emit(
+        r,
+        json_out,
+        [
+            f"converted {r['architecture']} -> {r['output_dir']}",
+            f"  dtype {r['dtype']}, {r['num_tensors']} tensors, {r['num_parameters']:,} parameters, "
+            f"{r['wall_time_s']:.2f} s",
+            *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in r["outputs"]),
+        ],
+    )
 
 
 @app.command(epilog="Example: `trtbuild inspect ./ckpt --json`")
@@ -163,8 +167,11 @@ def verify(
 
     with _handled():
         problems = run_verify(directory, check_inputs=inputs)
-    _emit({"ok": not problems, "problems": problems}, json_out,
-          [f"{directory}: {'ok' if not problems else f'{len(problems)} problem(s)'}"])
+    _emit(
+        {"ok": not problems, "problems": problems},
+        json_out,
+        [f"{directory}: {'ok' if not problems else f'{len(problems)} problem(s)'}"],
+    )
     for problem in problems:
         console.err.print(f"mismatch: {problem}", markup=False)
     if problems:
@@ -192,13 +199,17 @@ def run(
         loaded = load_recipe(recipe, set_ or [])
         r = run_recipe(loaded, output, force=force)
     conv = r["stages"]["convert"]
-    _emit(r, json_out, [
-        f"ran {r['recipe']} -> {r['output_dir']}",
-        f"  recipe sha256 {r['recipe_sha256']}",
-        f"  convert: {conv['architecture']}, {conv['dtype']}, {conv['num_tensors']} tensors, "
-        f"{conv['num_parameters']:,} parameters",
-        f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
-    ])
+    _emit(
+        r,
+        json_out,
+        [
+            f"ran {r['recipe']} -> {r['output_dir']}",
+            f"  recipe sha256 {r['recipe_sha256']}",
+            f"  convert: {conv['architecture']}, {conv['dtype']}, {conv['num_tensors']} tensors, "
+            f"{conv['num_parameters']:,} parameters",
+            f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
+        ],
+    )
 
 
 @recipe_app.command("schema", epilog="Example: `trtbuild recipe schema > recipe.schema.json`")
@@ -221,7 +232,11 @@ def tiny_model(
 
     with _handled():
         r = make_tiny_llama(output, seed=seed, force=force)
-    _emit(r, json_out, [f"wrote tiny Llama ({r['num_parameters']:,} parameters, seed {seed}) -> {r['output_dir']}"])
+    _emit(
+        r,
+        json_out,
+        [f"wrote tiny Llama ({r['num_parameters']:,} parameters, seed {seed}) -> {r['output_dir']}"],
+    )
 
 
 def main() -> None:
@@ -229,4 +244,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

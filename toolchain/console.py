@@ -33,4 +33,8 @@ def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
     )
     with bar:
         task = bar.add_task(description, total=total)
-        yield lambda n=1: bar.advance(task, n)
+
+        def advance(n: int = 1) -> None:
+            bar.advance(task, n)
+
+        yield advance

@@ -6,6 +6,7 @@ Every output directory gets a `manifest.json`. `verify` re-hashes the files it l
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -37,7 +38,11 @@ def sha256_file(path: Path) -> str:
 
 
 def file_entry(path: Path, root: Path) -> dict[str, Any]:
-    return {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size, "sha256": sha256_file(path)}
+    return {
+        "path": path.relative_to(root).as_posix(),
+        "size": path.stat().st_size,
+        "sha256": sha256_file(path),
+    }
 
 
 def _package_version(name: str) -> str | None:
@@ -49,10 +54,8 @@ def _package_version(name: str) -> str | None:
 
 def _tensorrt_version() -> str | None:
     try:
-        import tensorrt  # noqa: PLC0415  (optional: absent on CPU machines)
-
-        return str(tensorrt.__version__)
-    except Exception:  # absent, or bindings without the libraries
+        return str(importlib.import_module("tensorrt").__version__)
+    except Exception:  # absent, or bindings installed without the TensorRT libraries
         return None
 
 

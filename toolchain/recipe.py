@@ -95,7 +95,9 @@ def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Load
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise UserError(f"{path}: a recipe is a mapping of sections (model:, quantize:, ...), got {type(data).__name__}")
+        raise UserError(
+            f"{path}: a recipe is a mapping of sections (model:, quantize:, ...), got {type(data).__name__}"
+        )
     overridden = {key for key in (_apply_override(data, o) for o in overrides)}
     try:
         recipe = Recipe.model_validate(data)

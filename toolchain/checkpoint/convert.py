@@ -69,7 +69,9 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
     source = str(ckpt.root / "config.json")
     arch, family = registry.family_for(ckpt.config, source)
     source_dtype = ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))
-    cfg = family.config_from_hf(ckpt.config, resolve_dtype(dtype, ckpt, source_dtype if source_dtype in DTYPES else None), source)
+    cfg = family.config_from_hf(
+        ckpt.config, resolve_dtype(dtype, ckpt, source_dtype if source_dtype in DTYPES else None), source
+    )
     available = set(ckpt.tensors)
     table = family.weight_table(cfg, available)
     expected = family.source_shapes(cfg, available)
@@ -125,9 +127,10 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) ->
 def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> None:
     dtype = plan.config.torch_dtype
     infos = [TensorInfo(t.name, dtype, t.shape) for t in plan.tensors]
-    with SafetensorsWriter(path, infos, {"format": "pt"}) as writer, console.progress(
-        f"writing {path.name}", len(infos)
-    ) as advance:
+    with (
+        SafetensorsWriter(path, infos, {"format": "pt"}) as writer,
+        console.progress(f"writing {path.name}", len(infos)) as advance,
+    ):
         for out in plan.tensors:
             writer.write(out.name, _materialize(out, reader, dtype))
             advance(1)
@@ -159,8 +162,11 @@ def convert(
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])
         record.details.update(
-            architecture=plan.architecture, dtype=plan.config.dtype, num_tensors=len(plan.tensors),
-            num_parameters=sum(math.prod(t.shape) for t in plan.tensors), model_dir=str(model_dir.resolve()),
+            architecture=plan.architecture,
+            dtype=plan.config.dtype,
+            num_tensors=len(plan.tensors),
+            num_parameters=sum(math.prod(t.shape) for t in plan.tensors),
+            model_dir=str(model_dir.resolve()),
         )
         manifest = record.write(tmp)
     return {
@@ -173,4 +179,3 @@ def convert(
         "warnings": record.warnings,
         "wall_time_s": manifest["wall_time_s"],
     }
-

@@ -30,7 +30,10 @@ _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_p
 # One row per output tensor of a layer: TRT-LLM name <- HF name(s); several sources are concatenated on dim 0.
 _LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("input_layernorm.weight", ("input_layernorm.weight",)),
-    ("attention.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    (
+        "attention.qkv.weight",
+        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ),
     ("attention.dense.weight", ("self_attn.o_proj.weight",)),
     ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
     ("mlp.fc.weight", ("mlp.gate_proj.weight",)),
@@ -126,15 +129,13 @@ def weight_table(cfg: ModelConfig, available: set[str]) -> list[tuple[str, tuple
         rows += _ATTN_BIAS_TABLE
     if cfg.mlp_bias:
         rows += _MLP_BIAS_TABLE
-    table = [
+    table: list[tuple[str, tuple[str, ...]]] = [
         ("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",)),
         ("transformer.ln_f.weight", ("model.norm.weight",)),
         ("lm_head.weight", (_lm_head_source(cfg, available),)),
     ]
     for i in range(cfg.num_hidden_layers):
-        table += [
-            (f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs)) for dst, srcs in rows
-        ]
+        table += [(f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs)) for dst, srcs in rows]
     return table
 
 

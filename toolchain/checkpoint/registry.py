@@ -39,13 +39,11 @@ def supported_architectures() -> list[str]:
 def family_for(hf_config: dict[str, Any], source: str) -> tuple[str, Family]:
     archs = hf_config.get("architectures") or []
     if not isinstance(archs, list) or not archs:
-        raise UserError(
-            f"{source}: no 'architectures' entry; add one, e.g. \"architectures\": [\"LlamaForCausalLM\"]"
-        )
+        raise UserError(f'{source}: no \'architectures\' entry; add one, e.g. "architectures": ["LlamaForCausalLM"]')
     arch = str(archs[0])
     if arch not in _FAMILIES:
         raise UserError(
             f"{source}: architecture {arch!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
-    module: Family = importlib.import_module(_FAMILIES[arch])  # type: ignore[assignment]
+    module: Family = importlib.import_module(_FAMILIES[arch])
     return arch, module

@@ -124,7 +124,7 @@ class SafetensorsWriter:
             f"{name}: planned {info.dtype}{list(info.shape)}, got {tensor.dtype}{list(tensor.shape)}"
         )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(memoryview(flat.numpy()))
+        self._file.write(flat.numpy().data)
 
     def close(self) -> None:
         self._file.flush()

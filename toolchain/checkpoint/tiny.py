@@ -42,7 +42,7 @@ def _tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=512
     )
 
@@ -58,4 +58,9 @@ def make_tiny_llama(out: Path, seed: int = 0, force: bool = False) -> dict[str, 
         _tokenizer().save_pretrained(tmp)
         manifest = record.write(tmp)
     params = sum(p.numel() for p in model.parameters())
-    return {"output_dir": str(out.resolve()), "num_parameters": params, "seed": seed, "outputs": manifest["outputs"]}
+    return {
+        "output_dir": str(out.resolve()),
+        "num_parameters": params,
+        "seed": seed,
+        "outputs": manifest["outputs"],
+    }

@@ -41,7 +41,7 @@ class ReferenceModel:
         b, t, _ = x.shape
         q_dim, kv_dim = c.num_attention_heads * c.head_size, c.num_key_value_heads * c.head_size
         qkv = self._linear(x, f"{layer}.attention.qkv")
-        q, k, v = qkv.split([q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = torch.split(qkv, [q_dim, kv_dim, kv_dim], dim=-1)
         q = q.view(b, t, c.num_attention_heads, c.head_size).transpose(1, 2)
         k = k.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
         v = v.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
@@ -56,8 +56,10 @@ class ReferenceModel:
 
     def _mlp(self, x: torch.Tensor, layer: str) -> torch.Tensor:
         # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x)).
-        return self._linear(F.silu(self._linear(x, f"{layer}.mlp.fc")) * self._linear(x, f"{layer}.mlp.gate"),
-                            f"{layer}.mlp.proj")
+        return self._linear(
+            F.silu(self._linear(x, f"{layer}.mlp.fc")) * self._linear(x, f"{layer}.mlp.gate"),
+            f"{layer}.mlp.proj",
+        )
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

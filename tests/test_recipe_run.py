@@ -1,0 +1,103 @@
+"""Recipes: validation with key paths and lines, overrides, path resolution, and `trtbuild run` outputs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from conftest import one_line_error
+from safetensors.torch import load_file
+
+from toolchain.recipe import load_recipe
+
+
+def write_recipe(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_run_converts_with_relative_paths_and_records_recipe(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama()
+    recipe = write_recipe(tmp_path / "recipes" / "r.yaml", f"model:\n  path: ../{hf.name}\noutput: ../out\n")
+    result = cli("run", recipe, "--json")
+    assert result.exit_code == 0, result.stderr
+    out = tmp_path / "out"
+    summary = json.loads(result.stdout)
+    assert summary["output_dir"] == str(out)
+    resolved = yaml.safe_load((out / "recipe.yaml").read_text())
+    assert resolved["model"]["path"] == str(hf)
+    sha = hashlib.sha256(json.dumps(resolved, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    for manifest_path in (out / "manifest.json", out / "checkpoint" / "manifest.json"):
+        manifest = json.loads(manifest_path.read_text())
+        assert manifest["recipe"] == resolved and manifest["recipe_sha256"] == sha == summary["recipe_sha256"]
+    assert (out / "checkpoint" / "rank0.safetensors").is_file()
+    assert cli("verify", out).exit_code == 0
+
+
+def test_set_overrides_and_cli_output_wins(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama()
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {hf}\n  dtype: float32\noutput: never\n")
+    result = cli("run", recipe, "-o", tmp_path / "o", "--set", "model.dtype=bfloat16", "--set", "name=x")
+    assert result.exit_code == 0, result.stderr
+    weights = load_file(str(tmp_path / "o" / "checkpoint" / "rank0.safetensors"))
+    assert {str(t.dtype) for t in weights.values()} == {"torch.bfloat16"}
+    assert yaml.safe_load((tmp_path / "o" / "recipe.yaml").read_text())["name"] == "x"
+    assert not (tmp_path / "never").exists()
+
+
+def test_yaml_syntax_error_names_line(cli: Any, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", "model:\n  path: x\n   dtype: [\n")
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    assert f"{recipe}:3:" in line and "YAML syntax error" in line
+
+
+def test_unknown_key_names_path_line_and_allowed(cli: Any, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", "model:\n  path: x\n  dtpye: float16\n")
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    assert f"{recipe}:3" in line and "'model.dtpye'" in line and "path, dtype, allow_pickle" in line
+
+
+def test_wrong_type_names_key_and_value(cli: Any, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", "seed: 1\nmodel:\n  path: x\n  dtype: float64\n")
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    assert f"{recipe}:4" in line and "model.dtype" in line and "'float64'" in line
+
+
+def test_bad_override_is_attributed_to_set(cli: Any, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", "model:\n  path: x\n")
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "model.colour=red"))
+    assert "--set model.colour" in line
+    line = one_line_error(cli("run", recipe, "--set", "novalue"))
+    assert "dotted.key=value" in line
+
+
+def test_missing_recipe_and_missing_output(cli: Any, tmp_path: Path, make_llama: Any) -> None:
+    line = one_line_error(cli("run", tmp_path / "absent.yaml", "-o", tmp_path / "o"))
+    assert "absent.yaml does not exist" in line
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\n")
+    assert "-o OUT_DIR" in one_line_error(cli("run", recipe))
+
+
+def test_reserved_section_is_refused_not_ignored(cli: Any, tmp_path: Path, make_llama: Any) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nquantize: {{}}\n")
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    assert "'quantize'" in line and "remove it" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_schema_is_json_schema_of_the_recipe(cli: Any) -> None:
+    result = cli("recipe", "schema")
+    assert result.exit_code == 0
+    schema = json.loads(result.stdout)
+    assert schema["additionalProperties"] is False
+    assert {"model", "quantize", "build", "eval"} <= set(schema["properties"])
+    assert "model" in schema["required"]
+
+
+def test_demo_recipe_validates() -> None:
+    loaded = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml")
+    assert loaded.recipe.model.path.name == "tiny-llama"
