@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,11 +38,11 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def file_entry(path: Path, root: Path) -> dict[str, Any]:
+def file_entry(path: Path, root: Path, sha256: str | None = None) -> dict[str, Any]:
     return {
         "path": path.relative_to(root).as_posix(),
         "size": path.stat().st_size,
-        "sha256": sha256_file(path),
+        "sha256": sha256 or sha256_file(path),
     }
 
 
@@ -133,15 +134,22 @@ class StageRecord:
     recipe_sha256: str | None = None
     details: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    known_sha256: dict[Path, str] = field(default_factory=dict)  # outputs hashed while they were written
+    _pending: list[Future[dict[str, Any]]] = field(default_factory=list)
 
     def add_inputs(self, root: Path, paths: list[Path]) -> None:
+        """Hash input files in a background thread (hashlib releases the GIL) while the stage works."""
         root = root.resolve()
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hash-inputs")
         for path in sorted(set(paths)):
-            self.inputs.append({"root": str(root), **file_entry(path.resolve(), root)})
+            self._pending.append(pool.submit(_input_entry, path.resolve(), root))
+        pool.shutdown(wait=False)  # the queued hashes still run; `write` waits for them
 
     def write(self, out_dir: Path) -> dict[str, Any]:
+        self.inputs += [future.result() for future in self._pending]
+        self._pending.clear()
         outputs = [
-            file_entry(p, out_dir)
+            file_entry(p, out_dir, self.known_sha256.get(p.resolve()))
             for p in sorted(out_dir.rglob("*"))
             if p.is_file() and p.relative_to(out_dir).as_posix() != MANIFEST_NAME
         ]
@@ -161,6 +169,10 @@ class StageRecord:
         }
         (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest
+
+
+def _input_entry(path: Path, root: Path) -> dict[str, Any]:
+    return {"root": str(root), **file_entry(path, root)}
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:

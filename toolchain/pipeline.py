@@ -39,14 +39,16 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
     run = record("run")
     with atomic_dir(out, force, inputs=(recipe.model.path,)) as tmp:
         (tmp / "recipe.yaml").write_text(loaded.to_yaml())
+        convert_record = record("convert")
         converted = convert(
             recipe.model.path,
             tmp / "checkpoint",
             dtype=recipe.model.dtype,
             allow_pickle=recipe.model.allow_pickle,
-            record=record("convert"),
+            record=convert_record,
         )
         run.add_inputs(loaded.path.parent, [loaded.path])
+        run.inputs += convert_record.inputs  # already hashed by the stage
         run.details.update(stages=list(STAGES), recipe_file=str(loaded.path))
         run.warnings += converted["warnings"]
         manifest = run.write(tmp)

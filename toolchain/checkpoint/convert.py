@@ -105,26 +105,36 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
     return ConversionPlan(arch, cfg, tuple(tensors))
 
 
+def _check_values(name: str, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+    """Refuse NaN/Inf and values the target dtype cannot hold. `aminmax` propagates NaN and allocates nothing,
+    and casting is monotonic, so the two extremes decide for the whole tensor."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return
+    lo, hi = torch.aminmax(tensor)
+    if not (torch.isfinite(lo) and torch.isfinite(hi)):
+        bad = int((~torch.isfinite(tensor)).sum())
+        raise UserError(
+            f"tensor {name} has {bad} NaN/Inf value(s); the model would produce NaN logits. "
+            "Fix or re-export the checkpoint"
+        )
+    if not (torch.isfinite(lo.to(dtype)) and torch.isfinite(hi.to(dtype))):
+        peak = max(abs(lo.item()), abs(hi.item()))
+        raise UserError(
+            f"tensor {name} (-> {out_name}) overflows {str(dtype).removeprefix('torch.')} "
+            f"(max |value| {peak:.3g}); choose --dtype bfloat16 or float32"
+        )
+
+
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
     parts = [reader.get(s) for s in out.sources]
     for name, part in zip(out.sources, parts, strict=True):
-        bad = (~torch.isfinite(part)).sum().item() if part.is_floating_point() else 0
-        if bad:
-            raise UserError(
-                f"tensor {name} has {bad} NaN/Inf value(s); the model would produce NaN logits. "
-                "Fix or re-export the checkpoint"
-            )
+        _check_values(name, out.name, part, dtype)
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-    converted = tensor.to(dtype).contiguous()
-    if not torch.isfinite(converted).all():
-        peak = tensor.abs().max().item()
-        raise UserError(
-            f"tensor {out.name} overflows {dtype} (max |value| {peak:.3g}); choose --dtype bfloat16 or float32"
-        )
-    return converted
+    return tensor.to(dtype).contiguous()
 
 
-def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> None:
+def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> str:
+    """Stream the planned tensors into `path`; returns the file's sha256."""
     dtype = plan.config.torch_dtype
     infos = [TensorInfo(t.name, dtype, t.shape) for t in plan.tensors]
     with (
@@ -134,6 +144,7 @@ def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> None:
         for out in plan.tensors:
             writer.write(out.name, _materialize(out, reader, dtype))
             advance(1)
+    return writer.sha256
 
 
 def convert(
@@ -154,13 +165,14 @@ def convert(
         record.warnings.append(msg)
     console.info(f"converting {plan.architecture} from {model_dir} ({plan.config.dtype}, {len(plan.tensors)} tensors)")
     with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp:
-        write_config(tmp, plan.config)
-        with ckpt.reader() as reader:
-            write_rank(tmp / rank_file(0), plan, reader)
-        for path in ckpt.tokenizer_files():
-            shutil.copyfile(path, tmp / path.name)
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])
+        write_config(tmp, plan.config)
+        rank_path = tmp / rank_file(0)
+        with ckpt.reader() as reader:
+            record.known_sha256[rank_path.resolve()] = write_rank(rank_path, plan, reader)
+        for path in ckpt.tokenizer_files():
+            shutil.copyfile(path, tmp / path.name)
         record.details.update(
             architecture=plan.architecture,
             dtype=plan.config.dtype,

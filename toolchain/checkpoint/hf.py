@@ -7,6 +7,7 @@ and then loaded with `torch.load(weights_only=True)`.
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -15,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
-from toolchain.checkpoint.safetensors_io import TensorInfo, read_header
+from toolchain.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
 from toolchain.errors import UserError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -122,12 +122,12 @@ class HFCheckpoint:
 
 
 class TensorReader:
-    """Context manager handing out tensors one at a time from open safetensors handles."""
+    """Context manager handing out tensors one at a time from open weight files."""
 
     def __init__(self, ckpt: HFCheckpoint) -> None:
         self._ckpt = ckpt
         self._stack = ExitStack()
-        self._handles: dict[Path, Any] = {}
+        self._handles: dict[Path, io.BufferedReader] = {}
 
     def __enter__(self) -> TensorReader:
         return self
@@ -140,9 +140,8 @@ class TensorReader:
             return self._ckpt._pickled[name]
         path = self._ckpt.files[name]
         if path not in self._handles:
-            self._handles[path] = self._stack.enter_context(safe_open(str(path), framework="pt"))
-        tensor: torch.Tensor = self._handles[path].get_tensor(name)
-        return tensor
+            self._handles[path] = self._stack.enter_context(path.open("rb"))
+        return read_tensor(self._handles[path], self._ckpt.tensors[name])
 
     def names(self) -> Iterator[str]:
         return iter(self._ckpt.tensors)

@@ -9,6 +9,8 @@ optional "__metadata__" of str->str, then the data buffer; offsets are relative 
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import math
 import os
@@ -45,7 +47,7 @@ class TensorInfo:
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    offsets: tuple[int, int] = (0, 0)
+    file_offset: int = 0  # absolute position of the first byte in the file
 
     @property
     def nbytes(self) -> int:
@@ -72,7 +74,6 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     metadata = header.pop("__metadata__", None) or {}
     infos: dict[str, TensorInfo] = {}
     data_len = size - 8 - n
-    end_max = 0
     for name, entry in header.items():
         try:
             dtype = DTYPES[entry["dtype"]]
@@ -80,7 +81,7 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
             raise UserError(f"{path}: tensor {name!r} has a malformed or unsupported header entry {entry}") from e
-        info = TensorInfo(name, dtype, shape, (begin, end))
+        info = TensorInfo(name, dtype, shape, 8 + n + begin)
         if end - begin != info.nbytes or begin < 0:
             raise UserError(f"{path}: tensor {name!r} offsets {begin}..{end} do not match shape {list(shape)}; {fix}")
         if end > data_len:
@@ -88,9 +89,18 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"{path}: truncated: tensor {name!r} ends at byte {end} of the data but the file holds "
                 f"{data_len}; {fix}"
             )
-        end_max = max(end_max, end)
         infos[name] = info
     return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
+    """Read one tensor with plain file reads into a fresh buffer: memory use is that tensor, nothing more
+    (an mmap'ed file would count every page touched so far towards the process's RSS)."""
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    file.seek(info.file_offset)
+    if file.readinto(buf.numpy().data) != info.nbytes:
+        raise UserError(f"{file.name}: tensor {info.name} could not be read in full; the file changed or is damaged")
+    return buf.view(info.dtype).reshape(info.shape)
 
 
 class SafetensorsWriter:
@@ -113,7 +123,17 @@ class SafetensorsWriter:
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # align the data buffer to 8 bytes, as the library does
         self._file: BinaryIO = path.open("wb")
-        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        # Hash while writing, so the manifest need not read the file back.
+        self._digest = hashlib.sha256()
+        self._put(struct.pack("<Q", len(blob)) + blob)
+
+    def _put(self, data: bytes | memoryview) -> None:
+        self._digest.update(data)
+        self._file.write(data)
+
+    @property
+    def sha256(self) -> str:
+        return self._digest.hexdigest()
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         if not self._pending:
@@ -124,7 +144,7 @@ class SafetensorsWriter:
             f"{name}: planned {info.dtype}{list(info.shape)}, got {tensor.dtype}{list(tensor.shape)}"
         )
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._file.write(flat.numpy().data)
+        self._put(flat.numpy().data)
 
     def close(self) -> None:
         self._file.flush()
