@@ -182,3 +182,11 @@ def test_output_inside_input_is_refused(cli: Any, make_llama: Any) -> None:
     line = one_line_error(cli("convert", hf, "-o", hf / "ckpt"))
     assert "overlaps input" in line
     assert not (hf / "ckpt").exists()
+
+
+def test_index_naming_a_missing_shard(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama()
+    index = {"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    line = convert_fails(cli, hf, tmp_path / "out")
+    assert "model-00002-of-00002.safetensors" in line and "download" in line

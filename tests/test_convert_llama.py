@@ -170,3 +170,17 @@ def test_dtype_conversion(source: torch.dtype, target: str, make_llama: Any, tmp
     assert {t.dtype for t in out.values()} == {expected}
     assert torch.equal(out["transformer.ln_f.weight"], src["model.norm.weight"].to(expected))
     assert read_config(tmp_path / "ckpt").dtype == str(expected).removeprefix("torch.")
+
+
+def test_sharded_checkpoint_converts_to_the_same_bytes(make_llama: Any, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    hf_dir = make_llama()
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(hf_dir).save_pretrained(sharded, max_shard_size="40KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("*.safetensors"))) > 3
+    convert(hf_dir, tmp_path / "a")
+    convert(sharded, tmp_path / "b")
+    for name in ("config.json", "rank0.safetensors"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()

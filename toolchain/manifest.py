@@ -18,6 +18,7 @@ import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,7 @@ class StageRecord:
             "schema_version": SCHEMA_VERSION,
             "stage": self.stage,
             "command": self.command,
+            "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "recipe": self.recipe,
             "recipe_sha256": self.recipe_sha256,
             **environment(),
