@@ -1,7 +1,8 @@
 """Atomic output directories: write into a temporary sibling, rename into place only when complete.
 
-An interrupted run (exception, Ctrl-C, SIGTERM) leaves no directory under the final name; a hard kill can leave
-only a hidden `.NAME.tmp-*` sibling, which never looks like a finished artifact.
+An interrupted run (exception, Ctrl-C, SIGTERM) leaves no directory under the final name, and no parent
+directories it created; a hard kill can leave only a hidden `.NAME.tmp-*` sibling, which never looks like a
+finished artifact. A failed `--force` run leaves the previous output as it was.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from toolchain.errors import UserError
-
-MANIFEST_NAME = "manifest.json"
+from toolchain.manifest import MANIFEST_NAME, is_artifact
 
 
 def check_output_dir(out: Path, force: bool, inputs: tuple[Path, ...] = ()) -> None:
@@ -31,10 +31,10 @@ def check_output_dir(out: Path, force: bool, inputs: tuple[Path, ...] = ()) -> N
         raise UserError(f"output path {out} exists and is not a directory; remove it or choose another -o")
     if not force:
         raise UserError(f"output dir {out} already exists; pass --force to replace it or choose another -o")
-    if any(out.iterdir()) and not (out / MANIFEST_NAME).is_file():
+    if any(out.iterdir()) and not is_artifact(out):
         # --force replaces our own artifacts, never an arbitrary directory such as $HOME.
         raise UserError(
-            f"output dir {out} exists and is not a trtbuild artifact (no {MANIFEST_NAME}); "
+            f"output dir {out} exists and is not a trtbuild artifact (no valid {MANIFEST_NAME}); "
             "refusing to replace it even with --force; choose another -o"
         )
 
@@ -44,14 +44,28 @@ def atomic_dir(out: Path, force: bool, inputs: tuple[Path, ...] = ()) -> Iterato
     """Yield a fresh temporary directory that becomes `out` when the block finishes without error."""
     out = out.resolve()
     check_output_dir(out, force, inputs)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    created = [p for p in (out.parent, *out.parent.parents) if not p.exists()]
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as e:
+        _remove_empty(created)
+        raise UserError(f"cannot create output dir {out}: {e.strerror or e}; choose another -o") from e
     try:
         yield tmp
         _replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(created: list[Path]) -> None:
+    for path in created:  # deepest first
+        try:
+            path.rmdir()
+        except OSError:
+            return
 
 
 def _replace(tmp: Path, out: Path) -> None:

@@ -132,6 +132,11 @@ def inspect(
 
 def _describe_lines(info: dict[str, Any], indent: str = "") -> list[str]:
     lines = [f"{indent}{info['path']}  ({info['kind']})"]
+    if info["kind"] == "hf-model":
+        lines.append(
+            f"{indent}  hugging face  {info['architectures']}, {info['num_hidden_layers']} layers, hidden "
+            f"{info['hidden_size']}, vocab {info['vocab_size']}, weights {', '.join(info['weight_files'])}"
+        )
     if "architecture" in info:
         lines += [
             f"{indent}  architecture  {info['architecture']}  dtype {info['dtype']}",
@@ -186,7 +191,11 @@ def run(
     ] = None,
     set_: Annotated[
         list[str] | None,
-        typer.Option("--set", help="Override a recipe key: dotted.key=value (repeatable).", metavar="KEY=VALUE"),
+        typer.Option(
+            "--set",
+            help="Override a recipe key: dotted.key=value (repeatable; YAML values; paths relative to the recipe).",
+            metavar="KEY=VALUE",
+        ),
     ] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
@@ -223,7 +232,7 @@ def recipe_schema() -> None:
 @app.command("tiny-model", epilog="Example: `trtbuild tiny-model demo/tiny-llama --seed 0`")
 def tiny_model(
     output: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model dir.")],
-    seed: Annotated[int, typer.Option(help="Random seed for the weights.")] = 0,
+    seed: Annotated[int, typer.Option(help="Random seed for the weights.", min=0, max=2**32 - 1)] = 0,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:

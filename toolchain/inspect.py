@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from toolchain.atomic import MANIFEST_NAME
+from toolchain.checkpoint.hf import load_json
 from toolchain.checkpoint.trtllm import CONFIG_NAME, read_config
 from toolchain.errors import UserError
-from toolchain.manifest import read_manifest
+from toolchain.manifest import MANIFEST_NAME, read_manifest
 
 
 def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -23,8 +23,18 @@ def _manifest_summary(manifest: dict[str, Any]) -> dict[str, Any]:
         "output_bytes": sum(e["size"] for e in manifest.get("outputs", [])),
         "wall_time_s": manifest.get("wall_time_s"),
         "peak_rss_bytes": manifest.get("peak_rss_bytes"),
-        "gpu": manifest.get("gpu", {}).get("name"),
+        "gpu": (manifest.get("gpu") or {}).get("name"),
         "warnings": manifest.get("warnings", []),
+    }
+
+
+def _hf_model(directory: Path, config: dict[str, Any]) -> dict[str, Any]:
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+    return {
+        "kind": "hf-model",
+        "architectures": config.get("architectures"),
+        **{k: config.get(k) for k in keys},
+        "weight_files": sorted(p.name for p in directory.glob("*.safetensors")),
     }
 
 
@@ -53,7 +63,9 @@ def describe(directory: Path) -> dict[str, Any]:
         raise UserError(f"{directory} is not a directory; pass a checkpoint or run output directory")
     info: dict[str, Any] = {"path": str(directory.resolve())}
     if (directory / CONFIG_NAME).is_file():
-        info.update(_checkpoint(directory))
+        config = load_json(directory / CONFIG_NAME)
+        hf_style = "architecture" not in config and "architectures" in config
+        info.update(_hf_model(directory, config) if hf_style else _checkpoint(directory))
     children = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / MANIFEST_NAME).is_file()]
     if children:
         info["kind"] = info.get("kind", "run")

@@ -15,6 +15,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -23,18 +24,24 @@ from pathlib import Path
 from typing import Any
 
 from toolchain import __version__
-from toolchain.atomic import MANIFEST_NAME
 from toolchain.errors import UserError
 
 SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
 PACKAGES = ("torch", "transformers", "safetensors", "onnx", "onnxruntime", "cuda-bindings", "cuda-python")
 _CHUNK = 8 << 20
 
 
-def sha256_file(path: Path) -> str:
+class Cancelled(Exception):
+    """Hashing stopped because the stage failed or was interrupted."""
+
+
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
+            if stop is not None and stop.is_set():
+                raise Cancelled(str(path))
             digest.update(chunk)
     return digest.hexdigest()
 
@@ -95,7 +102,9 @@ def _cpu_model() -> str:
 
 def _git_commit() -> dict[str, Any]:
     src = Path(__file__).resolve().parent.parent
-    commit = _run(["git", "-C", str(src), "rev-parse", "HEAD"])
+    # Only a checkout of trtbuild itself: an installed copy inside a user's repo must not record their HEAD.
+    top = _run(["git", "-C", str(src), "rev-parse", "--show-toplevel"])
+    commit = _run(["git", "-C", str(src), "rev-parse", "HEAD"]) if top and Path(top.strip()) == src else None
     if not commit:
         return {"git_commit": None, "git_dirty": None}
     status = _run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"])
@@ -137,14 +146,24 @@ class StageRecord:
     warnings: list[str] = field(default_factory=list)
     known_sha256: dict[Path, str] = field(default_factory=dict)  # outputs hashed while they were written
     _pending: list[Future[dict[str, Any]]] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
 
     def add_inputs(self, root: Path, paths: list[Path]) -> None:
-        """Hash input files in a background thread (hashlib releases the GIL) while the stage works."""
-        root = root.resolve()
+        """Hash input files in a background thread (hashlib releases the GIL) while the stage works.
+
+        Paths are recorded as given under `root`, not resolved: a Hugging Face cache snapshot is a folder of
+        symlinks into blobs/, and what matters is the file the stage read under that name."""
+        root = root.absolute()
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hash-inputs")
         for path in sorted(set(paths)):
-            self._pending.append(pool.submit(_input_entry, path.resolve(), root))
-        pool.shutdown(wait=False)  # the queued hashes still run; `write` waits for them
+            self._pending.append(pool.submit(_input_entry, path.absolute(), root, self._stop))
+        pool.shutdown(wait=False)  # the queued hashes still run; `write` waits for them, `cancel` stops them
+
+    def cancel(self) -> None:
+        """Stop background hashing at once (the stage failed or was interrupted)."""
+        self._stop.set()
+        for future in self._pending:
+            future.cancel()
 
     def write(self, out_dir: Path) -> dict[str, Any]:
         self.inputs += [future.result() for future in self._pending]
@@ -173,8 +192,9 @@ class StageRecord:
         return manifest
 
 
-def _input_entry(path: Path, root: Path) -> dict[str, Any]:
-    return {"root": str(root), **file_entry(path, root)}
+def _input_entry(path: Path, root: Path, stop: threading.Event) -> dict[str, Any]:
+    entry = {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size}
+    return {"root": str(root), **entry, "sha256": sha256_file(path, stop)}
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -182,12 +202,34 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path} not found; {directory} is not a trtbuild artifact (or was not finished)")
     try:
-        data: dict[str, Any] = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from e
-    if data.get("schema_version") != SCHEMA_VERSION:
-        raise UserError(f"{path}: schema_version {data.get('schema_version')!r}; this trtbuild reads {SCHEMA_VERSION}")
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not a valid JSON manifest ({e})") from e
+    if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
+        version = data.get("schema_version") if isinstance(data, dict) else None
+        raise UserError(f"{path}: not a trtbuild manifest of schema_version {SCHEMA_VERSION} (found {version!r})")
+    for key in ("inputs", "outputs"):
+        entries = data.get(key)
+        if not isinstance(entries, list) or not all(_valid_entry(e) for e in entries):
+            raise UserError(f"{path}: '{key}' is missing or malformed; the manifest is damaged, rebuild the artifact")
     return data
+
+
+def is_artifact(directory: Path) -> bool:
+    try:
+        read_manifest(directory)
+    except UserError:
+        return False
+    return True
+
+
+def _valid_entry(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("path"), str)
+        and isinstance(entry.get("size"), int)
+        and isinstance(entry.get("sha256"), str)
+    )
 
 
 def verify(directory: Path, check_inputs: bool = False) -> list[str]:
@@ -202,16 +244,19 @@ def verify(directory: Path, check_inputs: bool = False) -> list[str]:
     ]
     if check_inputs:
         for entry in manifest["inputs"]:
-            problems += _check_files(Path(entry["root"]), [entry], label="input ")
+            problems += _check_files(Path(str(entry.get("root", ""))), [entry], label="input ")
     return problems
 
 
 def _check_files(root: Path, entries: list[dict[str, Any]], label: str = "") -> list[str]:
     problems = []
     for entry in entries:
-        path = root / entry["path"]
-        if not path.is_file():
-            problems.append(f"{label}missing: {path if label else entry['path']}")
-        elif path.stat().st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
-            problems.append(f"{label}changed: {path if label else entry['path']} (sha256 differs from the manifest)")
+        rel = Path(entry["path"])
+        shown = root / rel if label else entry["path"]
+        if rel.is_absolute() or ".." in rel.parts:
+            problems.append(f"{label}outside the artifact: {entry['path']} (the manifest is damaged or forged)")
+        elif not (root / rel).is_file():
+            problems.append(f"{label}missing: {shown}")
+        elif (root / rel).stat().st_size != entry["size"] or sha256_file(root / rel) != entry["sha256"]:
+            problems.append(f"{label}changed: {shown} (sha256 differs from the manifest)")
     return problems

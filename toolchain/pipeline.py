@@ -26,7 +26,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
     if out is None:
         raise UserError(f"{loaded.path}: no output directory; pass -o OUT_DIR or set 'output:' in the recipe")
     for section in _RESERVED:
-        if getattr(recipe, section) is not None:
+        if section in recipe.model_fields_set:  # present at all, even as null: refused, never ignored
             raise UserError(
                 f"{loaded.path}: section '{section}' is not supported by this version of trtbuild "
                 f"(stages available: {', '.join(STAGES)}); remove it"

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from toolchain.errors import UserError
 
@@ -29,7 +29,7 @@ class ModelSection(_Section):
 
     path: Path = Field(description="Hugging Face model directory (config.json + safetensors); relative to the recipe")
     dtype: Dtype = Field("auto", description="Weight dtype of the converted checkpoint; auto keeps the source's")
-    allow_pickle: bool = Field(False, description="Allow pickle weights (*.bin), loaded with weights_only=True")
+    allow_pickle: StrictBool = Field(False, description="Allow pickle weights (*.bin), loaded with weights_only=True")
 
 
 class QuantizeSection(_Section):
@@ -48,9 +48,9 @@ class Recipe(_Section):
     """A reproducible trtbuild recipe: model x precision x target."""
 
     version: Literal[1] = Field(1, description="Recipe format version")
-    name: str | None = Field(None, description="A name for the artifact")
-    description: str | None = None
-    seed: int = Field(0, description="Seed for every random choice (calibration sampling, ...)")
+    name: StrictStr | None = Field(None, description="A name for the artifact")
+    description: StrictStr | None = None
+    seed: StrictInt = Field(0, description="Seed for every random choice (calibration sampling, ...)")
     output: Path | None = Field(None, description="Default output directory (relative to the recipe); -o overrides")
     model: ModelSection
     quantize: QuantizeSection | None = None
@@ -83,7 +83,10 @@ def schema() -> dict[str, Any]:
 def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRecipe:
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass the path of a .yaml recipe (see recipes/)")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this the recipe file?") from e
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -98,7 +101,7 @@ def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Load
         raise UserError(
             f"{path}: a recipe is a mapping of sections (model:, quantize:, ...), got {type(data).__name__}"
         )
-    overridden = {key for key in (_apply_override(data, o) for o in overrides)}
+    overridden = [_apply_override(data, o) for o in overrides]
     try:
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
@@ -134,17 +137,23 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     return recipe.model_copy(update={"model": model, "output": output})
 
 
-def _explain(error: ValidationError, path: Path, root: yaml.Node | None, overridden: set[str]) -> str:
+def _explain(error: ValidationError, path: Path, root: yaml.Node | None, overridden: list[str]) -> str:
     first = error.errors()[0]
     loc = [str(p) for p in first["loc"]]
     key = ".".join(loc)
-    where = f"--set {key}" if key in overridden else f"{path}{_line(root, loc)}"
+    # An error at or under an overridden key, or at a key an override created on its way down, is the --set's.
+    culprit = next((o for o in overridden if _within(key, o) or _within(o, key)), None)
+    where = f"--set {culprit}" if culprit else f"{path}{_line(root, loc)}"
     if first["type"] == "extra_forbidden":
         allowed = ", ".join(_allowed_keys(loc[:-1]))
         return f"{where}: unknown key '{key}'; allowed here: {allowed}"
     if first["type"] == "missing":
         return f"{where}: required key '{key}' is missing; add it (see `trtbuild recipe schema`)"
     return f"{where}: {key}: {first['msg']} (got {first.get('input')!r})"
+
+
+def _within(key: str, prefix: str) -> bool:
+    return key == prefix or key.startswith(prefix + ".")
 
 
 def _line(root: yaml.Node | None, loc: list[str]) -> str:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,11 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
         ckpt.config, resolve_dtype(dtype, ckpt, source_dtype if source_dtype in DTYPES else None), source
     )
     available = set(ckpt.tensors)
+    if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before building tables
+        raise UserError(
+            f"{source}: num_hidden_layers {cfg.num_hidden_layers} but the checkpoint holds only "
+            f"{len(available)} tensors; fix config.json"
+        )
     table = family.weight_table(cfg, available)
     expected = family.source_shapes(cfg, available)
 
@@ -105,7 +112,7 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
     return ConversionPlan(arch, cfg, tuple(tensors))
 
 
-def _check_values(name: str, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
+def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
     """Refuse NaN/Inf and values the target dtype cannot hold. `aminmax` propagates NaN and allocates nothing,
     and casting is monotonic, so the two extremes decide for the whole tensor."""
     if not tensor.is_floating_point() or tensor.numel() == 0:
@@ -114,13 +121,13 @@ def _check_values(name: str, out_name: str, tensor: torch.Tensor, dtype: torch.d
     if not (torch.isfinite(lo) and torch.isfinite(hi)):
         bad = int((~torch.isfinite(tensor)).sum())
         raise UserError(
-            f"tensor {name} has {bad} NaN/Inf value(s); the model would produce NaN logits. "
+            f"{where}: tensor {name} has {bad} NaN/Inf value(s); the model would produce NaN logits. "
             "Fix or re-export the checkpoint"
         )
     if not (torch.isfinite(lo.to(dtype)) and torch.isfinite(hi.to(dtype))):
         peak = max(abs(lo.item()), abs(hi.item()))
         raise UserError(
-            f"tensor {name} (-> {out_name}) overflows {str(dtype).removeprefix('torch.')} "
+            f"{where}: tensor {name} (-> {out_name}) overflows {str(dtype).removeprefix('torch.')} "
             f"(max |value| {peak:.3g}); choose --dtype bfloat16 or float32"
         )
 
@@ -128,7 +135,7 @@ def _check_values(name: str, out_name: str, tensor: torch.Tensor, dtype: torch.d
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
     parts = [reader.get(s) for s in out.sources]
     for name, part in zip(out.sources, parts, strict=True):
-        _check_values(name, out.name, part, dtype)
+        _check_values(name, reader.file_of(name), out.name, part, dtype)
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return tensor.to(dtype).contiguous()
 
@@ -145,6 +152,15 @@ def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> str:
             writer.write(out.name, _materialize(out, reader, dtype))
             advance(1)
     return writer.sha256
+
+
+@contextmanager
+def _cancel_on_error(record: StageRecord) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        record.cancel()  # do not make a failure or Ctrl-C wait for gigabytes of input hashing
+        raise
 
 
 def convert(
@@ -164,7 +180,7 @@ def convert(
         console.warn(msg)
         record.warnings.append(msg)
     console.info(f"converting {plan.architecture} from {model_dir} ({plan.config.dtype}, {len(plan.tensors)} tensors)")
-    with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp:
+    with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])
         write_config(tmp, plan.config)

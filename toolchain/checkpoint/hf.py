@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -21,7 +22,9 @@ from toolchain.checkpoint.safetensors_io import TensorInfo, read_header, read_te
 from toolchain.errors import UserError
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth")
+# Weight pickles by Hugging Face's naming; other pickles in a training dir (training_args.bin, optimizer.pt)
+# are not weights and are left alone.
+PICKLE_PATTERNS = ("pytorch_model*.bin",)
 # Files copied next to the converted weights so later stages (and TensorRT-LLM) find the tokenizer.
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -39,9 +42,11 @@ TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def load_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as e:
         raise UserError(f"{path} not found; a Hugging Face model dir needs its config.json") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this the right file?") from e
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
     if not isinstance(data, dict):
@@ -69,7 +74,7 @@ class HFCheckpoint:
         weight_files = _safetensors_files(root)
         if weight_files:
             return cls._from_safetensors(root, config, weight_files)
-        pickles = sorted(p for pat in PICKLE_PATTERNS for p in root.glob(pat))
+        pickles = sorted(p for pat in PICKLE_PATTERNS for p in root.glob(pat) if p.is_file())
         if not pickles:
             raise UserError(f"{root}: no *.safetensors weights found; is this a Hugging Face model dir?")
         if not allow_pickle:
@@ -97,11 +102,10 @@ class HFCheckpoint:
         pickled: dict[str, torch.Tensor] = {}
         files: dict[str, Path] = {}
         for path in paths:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # torch raises many types for damaged or unsafe pickles
-                raise UserError(f"{path}: cannot load as a weights-only pickle ({type(e).__name__}: {e})") from e
+            state = _load_pickle(path)
             for name, tensor in state.items():
+                if name in pickled:
+                    raise UserError(f"{path}: tensor {name!r} also in {files[name].name}; remove the duplicate")
                 pickled[name] = tensor
                 files[name] = path
         tensors = {n: TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in pickled.items()}
@@ -143,8 +147,30 @@ class TensorReader:
             self._handles[path] = self._stack.enter_context(path.open("rb"))
         return read_tensor(self._handles[path], self._ckpt.tensors[name])
 
+    def file_of(self, name: str) -> Path:
+        return self._ckpt.files[name]
+
     def names(self) -> Iterator[str]:
         return iter(self._ckpt.tensors)
+
+
+def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    def load(mmap: bool) -> Any:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+
+    try:
+        try:
+            state = load(mmap=True)
+        except RuntimeError as e:
+            if "mmap" not in str(e):
+                raise
+            state = load(mmap=False)  # legacy (pre-zipfile) format: no mmap
+    except Exception as e:  # torch raises many types for damaged or unsafe pickles
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip().splitlines()[0] if str(e).strip() else ""
+        raise UserError(f"{path}: cannot load as a weights-only pickle ({type(e).__name__}: {first})") from e
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{path}: not a flat state dict of tensors; re-save it with torch.save(model.state_dict())")
+    return state
 
 
 def _safetensors_files(root: Path) -> list[Path]:
@@ -153,9 +179,13 @@ def _safetensors_files(root: Path) -> list[Path]:
         weight_map = load_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise UserError(f"{index}: missing or empty 'weight_map'; re-export the checkpoint")
-        paths = sorted({root / str(f) for f in weight_map.values()})
+        names = {str(f) for f in weight_map.values()}
+        outside = sorted(n for n in names if Path(n).name != n)
+        if outside:
+            raise UserError(f"{index}: shard {outside[0]!r} is not a file in {root}; shards must sit beside the index")
+        paths = sorted(root / n for n in names)
         missing = [p.name for p in paths if not p.is_file()]
         if missing:
             raise UserError(f"{index} lists shard(s) not in {root}: {', '.join(missing)}; download them")
         return paths
-    return sorted(root.glob("*.safetensors"))
+    return sorted(p for p in root.glob("*.safetensors") if p.is_file())

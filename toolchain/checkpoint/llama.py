@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from toolchain.checkpoint.trtllm import DTYPES, ModelConfig
+from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
+from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
 Shape = tuple[int, ...]
@@ -25,7 +26,6 @@ DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"model\.(layers\.\d+\.self_a
 
 # Rope scaling types the reference forward (and our attention plugin) implement.
 ROPE_TYPES = ("default", "linear", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 # One row per output tensor of a layer: TRT-LLM name <- HF name(s); several sources are concatenated on dim 0.
 _LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -51,46 +51,42 @@ _MLP_BIAS_TABLE = (
 )
 
 
-def _require(hf: dict[str, Any], key: str, source: str) -> int:
-    value = hf.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise UserError(f"{source}: '{key}' must be a positive integer, got {value!r}")
-    return value
-
-
 def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling dict or None) from either transformers-5 `rope_parameters` or the older keys."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-        scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k != "rope_theta"}
-    else:
-        theta = float(hf.get("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise UserError(f"{source}: 'rope_parameters' must be an object, got {params!r}")
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"} if params else hf.get("rope_scaling")
+    theta = positive_float(params or hf, "rope_theta", source, hf.get("rope_theta", 10000.0))
     if not scaling:
         return theta, None
+    if not isinstance(scaling, dict):
+        raise UserError(f'{source}: \'rope_scaling\' must be an object like {{"rope_type": "llama3", ...}}')
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise UserError(f"{source}: rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if kind == "default":
         return theta, None
-    needed = _LLAMA3_KEYS if kind == "llama3" else ("factor",)
-    missing = [k for k in needed if k not in scaling]
-    if missing:
-        raise UserError(f"{source}: rope scaling {kind!r} lacks {', '.join(missing)}")
+    where = f"{source} (rope scaling)"
+    positive_float(scaling, "factor", where)
+    if kind == "llama3":
+        low = positive_float(scaling, "low_freq_factor", where)
+        high = positive_float(scaling, "high_freq_factor", where)
+        positive_int(scaling, "original_max_position_embeddings", where)
+        if high <= low:
+            raise UserError(f"{where}: high_freq_factor {high} must exceed low_freq_factor {low}")
     return theta, dict(sorted(scaling.items()))
 
 
-def source_dtype(hf: dict[str, Any]) -> str | None:
-    value = hf.get("torch_dtype", hf.get("dtype"))
-    return value if value in DTYPES else None
-
-
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    hidden = _require(hf, "hidden_size", source)
-    heads = _require(hf, "num_attention_heads", source)
-    kv_heads = hf.get("num_key_value_heads") or heads
-    head_dim = hf.get("head_dim") or hidden // heads
+    hidden = positive_int(hf, "hidden_size", source)
+    heads = positive_int(hf, "num_attention_heads", source)
+    kv_heads = positive_int(hf, "num_key_value_heads", source, heads)
+    if heads % kv_heads:
+        raise UserError(
+            f"{source}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}; "
+            "fix config.json"
+        )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise UserError(f"{source}: hidden_act {act!r} is not supported for Llama; supported: silu")
@@ -98,22 +94,22 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     return ModelConfig(
         architecture="LlamaForCausalLM",
         dtype=dtype,
-        vocab_size=_require(hf, "vocab_size", source),
+        vocab_size=positive_int(hf, "vocab_size", source),
         hidden_size=hidden,
-        num_hidden_layers=_require(hf, "num_hidden_layers", source),
+        num_hidden_layers=positive_int(hf, "num_hidden_layers", source),
         num_attention_heads=heads,
-        num_key_value_heads=int(kv_heads),
-        head_size=int(head_dim),
-        intermediate_size=_require(hf, "intermediate_size", source),
+        num_key_value_heads=kv_heads,
+        head_size=positive_int(hf, "head_dim", source, hidden // heads),
+        intermediate_size=positive_int(hf, "intermediate_size", source),
         hidden_act=act,
-        norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        norm_epsilon=positive_float(hf, "rms_norm_eps", source, 1e-6),
+        max_position_embeddings=positive_int(hf, "max_position_embeddings", source, 2048),
         position_embedding_type="rope_gpt_neox",
         rotary_base=theta,
         rotary_scaling=scaling,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attn_bias=bool(hf.get("attention_bias", False)),
-        mlp_bias=bool(hf.get("mlp_bias", False)),
+        tie_word_embeddings=boolean(hf, "tie_word_embeddings", source),
+        attn_bias=boolean(hf, "attention_bias", source),
+        mlp_bias=boolean(hf, "mlp_bias", source),
     )
 
 

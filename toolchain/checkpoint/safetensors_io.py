@@ -72,6 +72,8 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     if not isinstance(header, dict):
         raise UserError(f"{path}: header is not a JSON object; {fix}")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise UserError(f"{path}: '__metadata__' must be a JSON object of strings; {fix}")
     infos: dict[str, TensorInfo] = {}
     data_len = size - 8 - n
     for name, entry in header.items():
@@ -90,7 +92,19 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 f"{data_len}; {fix}"
             )
         infos[name] = info
+    _check_layout(path, infos, 8 + n, size, fix)
     return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+def _check_layout(path: Path, infos: dict[str, TensorInfo], data_start: int, size: int, fix: str) -> None:
+    """Tensors must tile the data buffer exactly, as the safetensors library requires: no overlap, no gap."""
+    position = data_start
+    for info in sorted(infos.values(), key=lambda i: (i.file_offset, i.nbytes)):
+        if info.file_offset != position:
+            raise UserError(f"{path}: tensor {info.name!r} overlaps another or leaves a gap (invalid offsets); {fix}")
+        position += info.nbytes
+    if position != size:
+        raise UserError(f"{path}: {size - position} bytes after the last tensor; {fix}")
 
 
 def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:

@@ -9,6 +9,7 @@ place that reads and writes that format.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -56,6 +57,18 @@ class QuantConfig:
     exclude_modules: list[str] | None = None
 
 
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_size",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """A TensorRT-LLM checkpoint config. `to_dict` is the exact JSON written to config.json."""
@@ -86,6 +99,12 @@ class ModelConfig:
     quantization: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise UserError(f"'{name}' must be a positive integer, got {value!r}")
+        if not isinstance(self.norm_epsilon, (int, float)) or not math.isfinite(self.norm_epsilon):
+            raise UserError(f"'norm_epsilon' must be a finite number, got {self.norm_epsilon!r}")
         if self.dtype not in DTYPES:
             raise UserError(f"dtype {self.dtype!r} not supported; choose one of {', '.join(DTYPES)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -106,11 +125,13 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         args = {k: v for k, v in data.items() if k in known}
         try:
-            args["mapping"] = Mapping(**data.get("mapping", {}))
+            args["mapping"] = Mapping(**(data.get("mapping") or {}))
             args["quantization"] = QuantConfig(**(data.get("quantization") or {}))
             return cls(**args)
         except TypeError as e:
             raise UserError(f"{source}: not a TensorRT-LLM checkpoint config ({e})") from e
+        except UserError as e:
+            raise UserError(f"{source}: {e}; the checkpoint config is damaged, re-run convert") from e
 
 
 def write_config(directory: Path, config: ModelConfig) -> Path:
