@@ -95,6 +95,8 @@ class ModelConfig:
     share_embedding_table: bool = False
     attn_bias: bool = False
     mlp_bias: bool = False
+    qk_layernorm: bool = False
+    sliding_window: int | None = None
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
 

@@ -8,6 +8,7 @@ must reproduce.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,6 +16,21 @@ import torch.nn.functional as F
 
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.rope import apply_rotary, cos_sin
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# hidden_act values as TensorRT-LLM names them; "gelu_new"/"gelu_pytorch_tanh" are the tanh approximation.
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swiglu": F.silu,
+    "gelu": F.gelu,
+    "gelu_new": _gelu_tanh,
+    "gelu_pytorch_tanh": _gelu_tanh,
+    "relu": F.relu,
+}
 
 
 class ReferenceModel:
@@ -32,34 +48,51 @@ class ReferenceModel:
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias"))
 
-    def _rms_norm(self, x: torch.Tensor, name: str) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        """LayerNorm when the checkpoint has a bias for it (GPT-2), else RMSNorm (Llama, Qwen, Mistral)."""
+        weight, bias = self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias")
+        if bias is not None:
+            return F.layer_norm(x, weight.shape, weight, bias, self.config.norm_epsilon)
         variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.config.norm_epsilon) * self.w[name]
+        return x * torch.rsqrt(variance + self.config.norm_epsilon) * weight
 
-    def _attention(self, x: torch.Tensor, layer: str, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, n: int, layer: str, norm: str) -> torch.Tensor:
+        b, t, _ = x.shape
+        x = x.view(b, t, n, self.config.head_size)
+        if f"{layer}.attention.{norm}.weight" in self.w:  # per-head qk-norm (Qwen3), before rotary
+            x = self._norm(x, f"{layer}.attention.{norm}")
+        return x.transpose(1, 2)
+
+    def _mask(self, t: int) -> torch.Tensor:
+        q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+        allowed = k <= q
+        if self.config.sliding_window is not None:  # each query sees itself and the window-1 tokens before it
+            allowed &= q - k < self.config.sliding_window
+        return allowed
+
+    def _attention(self, x: torch.Tensor, layer: str, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c = self.config
         b, t, _ = x.shape
         q_dim, kv_dim = c.num_attention_heads * c.head_size, c.num_key_value_heads * c.head_size
-        qkv = self._linear(x, f"{layer}.attention.qkv")
-        q, k, v = torch.split(qkv, [q_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(b, t, c.num_attention_heads, c.head_size).transpose(1, 2)
-        k = k.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
+        q, k, v = torch.split(self._linear(x, f"{layer}.attention.qkv"), [q_dim, kv_dim, kv_dim], dim=-1)
+        q = self._heads(q, c.num_attention_heads, layer, "q_layernorm")
+        k = self._heads(k, c.num_key_value_heads, layer, "k_layernorm")
         v = v.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         group = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)) / (c.head_size**0.5)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        probs = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)
+        probs = scores.masked_fill(~self._mask(t), float("-inf")).softmax(dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, q_dim)
         return self._linear(out, f"{layer}.attention.dense")
 
     def _mlp(self, x: torch.Tensor, layer: str) -> torch.Tensor:
-        # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x)).
-        return self._linear(
-            F.silu(self._linear(x, f"{layer}.mlp.fc")) * self._linear(x, f"{layer}.mlp.gate"),
-            f"{layer}.mlp.proj",
-        )
+        act = ACTIVATIONS[self.config.hidden_act]
+        h = act(self._linear(x, f"{layer}.mlp.fc"))
+        if f"{layer}.mlp.gate.weight" in self.w:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+            h = h * self._linear(x, f"{layer}.mlp.gate")
+        return self._linear(h, f"{layer}.mlp.proj")
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -68,11 +101,15 @@ class ReferenceModel:
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         positions = torch.arange(input_ids.shape[1])
-        cos, sin = cos_sin(positions, c.head_size, c.rotary_base, c.rotary_scaling, self.dtype)
         h = F.embedding(input_ids, self.w["transformer.vocab_embedding.weight"])
+        rope = None
+        if c.position_embedding_type == "learned_absolute":
+            h = h + self.w["transformer.position_embedding.weight"][positions]
+        else:
+            rope = cos_sin(positions, c.head_size, c.rotary_base, c.rotary_scaling, self.dtype)
         for i in range(c.num_hidden_layers):
             layer = f"transformer.layers.{i}"
-            h = h + self._attention(self._rms_norm(h, f"{layer}.input_layernorm.weight"), layer, cos, sin)
-            h = h + self._mlp(self._rms_norm(h, f"{layer}.post_layernorm.weight"), layer)
-        h = self._rms_norm(h, "transformer.ln_f.weight")
+            h = h + self._attention(self._norm(h, f"{layer}.input_layernorm"), layer, rope)
+            h = h + self._mlp(self._norm(h, f"{layer}.post_layernorm"), layer)
+        h = self._norm(h, "transformer.ln_f")
         return F.linear(h, self.w["lm_head.weight"])
