@@ -125,7 +125,14 @@ def test_tensor_names_fusion_and_config(make_llama: Any, tmp_path: Path) -> None
     assert cfg["head_size"] == 24 and cfg["num_key_value_heads"] == 2
     assert cfg["rotary_base"] == 500000.0
     assert cfg["rotary_scaling"]["rope_type"] == "llama3" and cfg["rotary_scaling"]["factor"] == 8.0
-    assert cfg["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    assert cfg["mapping"] == {
+        "world_size": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "cp_size": 1,
+        "moe_tp_size": 1,
+        "moe_ep_size": 1,
+    }
     assert cfg["quantization"]["quant_algo"] is None
     for key in (
         "vocab_size",

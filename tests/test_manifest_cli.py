@@ -68,7 +68,14 @@ def test_verify_inputs(cli: Any, converted: Path) -> None:
 def test_inspect_reports_checkpoint_and_manifest(cli: Any, converted: Path) -> None:
     info = json.loads(cli("inspect", converted, "--json").stdout)
     assert info["kind"] == "checkpoint" and info["architecture"] == "LlamaForCausalLM"
-    assert info["mapping"] == {"world_size": 1, "tp_size": 1, "pp_size": 1}
+    assert info["mapping"] == {
+        "world_size": 1,
+        "tp_size": 1,
+        "pp_size": 1,
+        "cp_size": 1,
+        "moe_tp_size": 1,
+        "moe_ep_size": 1,
+    }
     assert info["quantization"]["quant_algo"] is None
     assert info["manifest"]["stage"] == "convert" and info["manifest"]["outputs"] == 3
     text = cli("inspect", converted).stdout

@@ -88,7 +88,7 @@ def _main(
     signal.signal(signal.SIGTERM, _sigterm)
 
 
-@app.command(epilog="Example: `trtbuild convert ./Llama-3.2-1B -o ./ckpt --dtype bfloat16`")
+@app.command(epilog="Example: `trtbuild convert ./Llama-3.2-1B -o ./ckpt --dtype bfloat16 --tp 2`")
 def convert(
     model_dir: Annotated[Path, typer.Argument(help="Hugging Face model dir (config.json + *.safetensors).")],
     output: OutputOpt,
@@ -98,19 +98,27 @@ def convert(
         bool,
         typer.Option("--allow-pickle", help="Accept pickle weights (*.bin), loaded with weights_only=True."),
     ] = False,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (heads split over N GPUs).")] = 1,
+    pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size (layers split in M stages).")] = 1,
+    workers: Annotated[
+        int, typer.Option("--workers", min=1, max=64, help="Tensors prepared in parallel (memory: one tensor each).")
+    ] = 2,
     json_out: JsonOpt = False,
 ) -> None:
-    """Convert a Hugging Face checkpoint into a TensorRT-LLM checkpoint (config.json + rank0.safetensors)."""
+    """Convert a Hugging Face checkpoint into a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors)."""
     from toolchain.checkpoint.convert import convert as run_convert
 
     with _handled():
-        r = run_convert(model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle)
+        r = run_convert(
+            model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle, tp=tp, pp=pp, workers=workers
+        )
     _emit(
         r,
         json_out,
         [
             f"converted {r['architecture']} -> {r['output_dir']}",
-            f"  dtype {r['dtype']}, {r['num_tensors']} tensors, {r['num_parameters']:,} parameters, "
+            f"  dtype {r['dtype']}, tp={r['tp_size']} pp={r['pp_size']}, {r['num_tensors']} tensors, "
+            f"{r['num_parameters']:,} parameters, "
             f"{r['wall_time_s']:.2f} s",
             *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in r["outputs"]),
         ],

@@ -1,17 +1,22 @@
 """`convert`: a Hugging Face checkpoint -> a TensorRT-LLM checkpoint, streamed tensor by tensor.
 
 Everything that can be checked without reading tensor data is checked before anything is written: the
-architecture, the config, that every tensor the family needs is present with the shape the config implies,
-and that no source tensor is left unconsumed. Then each output tensor is read, fused, cast, checked for
-NaN/Inf and appended to the rank file, so memory stays at a few tensors, never the model.
+architecture, the config, the parallel split, that every tensor the family needs is present with the shape
+the config implies, and that no source tensor is left unconsumed. Then, per pipeline stage, each output
+tensor is read once, checked for NaN/Inf, fused, cast, split for every tensor-parallel rank and appended to
+that rank's file. Memory stays at the tensors in flight (`workers` of them), never the model; the files are
+byte-identical whatever the number of workers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
+from collections import deque
 from collections.abc import Iterator
-from contextlib import contextmanager
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,8 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint import registry
 from toolchain.checkpoint.hf import SAFETENSORS_INDEX, HFCheckpoint, TensorReader
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo
-from toolchain.checkpoint.trtllm import DTYPES, ModelConfig, rank_file, write_config
+from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
+from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, rank_file, write_config
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
 
@@ -33,10 +39,10 @@ _SHOW = 5  # names listed in an error before "... and N more"
 
 @dataclass(frozen=True)
 class OutputTensor:
-    """One tensor of the rank file: its name, the HF tensors it is made of (concatenated on dim 0)."""
+    """One tensor of a pipeline stage: its local name, how it is made, its full (unsplit) shape."""
 
     name: str
-    sources: tuple[str, ...]
+    rule: Rule
     shape: tuple[int, ...]
 
 
@@ -44,7 +50,11 @@ class OutputTensor:
 class ConversionPlan:
     architecture: str
     config: ModelConfig
-    tensors: tuple[OutputTensor, ...]
+    stages: tuple[tuple[OutputTensor, ...], ...]  # per pipeline stage, sorted by name
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(s) for s in self.stages)
 
 
 def _listing(names: list[str]) -> str:
@@ -52,38 +62,21 @@ def _listing(names: list[str]) -> str:
     return ", ".join(names[:_SHOW]) + more
 
 
-def resolve_dtype(requested: str, ckpt: HFCheckpoint, source_dtype: str | None) -> str:
+def resolve_dtype(requested: str, ckpt: HFCheckpoint) -> str:
     if requested not in DTYPE_CHOICES:
         raise UserError(f"dtype {requested!r} not supported; choose one of {', '.join(DTYPE_CHOICES)}")
     if requested != "auto":
         return requested
-    if source_dtype:
-        return source_dtype
-    # No dtype in config.json: take what the weights are stored in.
-    stored = {info.dtype for info in ckpt.tensors.values()}
-    for name, dtype in DTYPES.items():
-        if dtype in stored:
-            return name
-    return "float32"
+    declared = ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))
+    if declared in DTYPES:
+        return str(declared)
+    stored = {info.dtype for info in ckpt.tensors.values()}  # no dtype in config.json: what the weights hold
+    return next((name for name, dtype in DTYPES.items() if dtype in stored), "float32")
 
 
-def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
-    source = str(ckpt.root / "config.json")
-    arch, family = registry.family_for(ckpt.config, source)
-    source_dtype = ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))
-    cfg = family.config_from_hf(
-        ckpt.config, resolve_dtype(dtype, ckpt, source_dtype if source_dtype in DTYPES else None), source
-    )
+def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: dict[str, tuple[int, ...]]) -> None:
     available = set(ckpt.tensors)
-    if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before building tables
-        raise UserError(
-            f"{source}: num_hidden_layers {cfg.num_hidden_layers} but the checkpoint holds only "
-            f"{len(available)} tensors; fix config.json"
-        )
-    table = family.weight_table(cfg, available)
-    expected = family.source_shapes(cfg, available)
-
-    used = {src for _, srcs in table for src in srcs}
+    used = {src for rule in rules for src in rule.srcs}
     missing = sorted(used - available)
     if missing:
         raise UserError(
@@ -97,19 +90,45 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto") -> ConversionPlan:
                 f"{ckpt.files[name]}: tensor {name} has shape {list(got)} but config.json implies {list(want)}; "
                 "fix config.json (sizes, heads, head_dim) or use the matching weights"
             )
+
+
+def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1) -> ConversionPlan:
+    source = str(ckpt.root / "config.json")
+    arch, family = registry.family_for(ckpt.config, source)
+    cfg = family.config_from_hf(ckpt.config, resolve_dtype(dtype, ckpt), source)
+    check_parallel(cfg, tp, pp, source)
+    cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp), use_parallel_embedding=tp > 1)
+    available = set(ckpt.tensors)
+    if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before building tables
+        raise UserError(
+            f"{source}: num_hidden_layers {cfg.num_hidden_layers} but the checkpoint holds only "
+            f"{len(available)} tensors; fix config.json"
+        )
+    rules = family.weight_table(cfg, available)
+    _check_sources(ckpt, arch, rules, family.source_shapes(cfg, available))
+    used = {src for rule in rules for src in rule.srcs}
     leftovers = sorted(n for n in available - used if not any(p.fullmatch(n) for p in family.DROPPED))
     if leftovers:
         raise UserError(
             f"{ckpt.root}: {len(leftovers)} tensor(s) not consumed by the {arch} converter: {_listing(leftovers)}; "
             "this checkpoint has parts the converter does not know (wrong architecture in config.json?)"
         )
-    tensors = []
-    for dst, srcs in table:
-        first = ckpt.tensors[srcs[0]].shape
-        rows = sum(ckpt.tensors[s].shape[0] for s in srcs)
-        tensors.append(OutputTensor(dst, srcs, (rows, *first[1:])))
-    tensors.sort(key=lambda t: t.name)
-    return ConversionPlan(arch, cfg, tuple(tensors))
+    stages = []
+    for p, layers in enumerate(stage_layers(cfg.num_hidden_layers, pp)):
+        stage = []
+        for rule in rules:
+            name = local_name(rule.dst, layers, first=p == 0, last=p == pp - 1)
+            if name is not None:
+                stage.append(OutputTensor(name, rule, _full_shape(ckpt, rule)))
+        stages.append(tuple(sorted(stage, key=lambda t: t.name)))
+    return ConversionPlan(arch, cfg, tuple(stages))
+
+
+def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
+    shapes = [ckpt.tensors[s].shape for s in rule.srcs]
+    if rule.transpose:
+        shapes = [tuple(reversed(s)) for s in shapes]
+    return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
 def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -133,25 +152,61 @@ def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, d
 
 
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
-    parts = [reader.get(s) for s in out.sources]
-    for name, part in zip(out.sources, parts, strict=True):
+    parts = [reader.get(s) for s in out.rule.srcs]
+    for name, part in zip(out.rule.srcs, parts, strict=True):
         _check_values(name, reader.file_of(name), out.name, part, dtype)
+    if out.rule.transpose:
+        parts = [p.t() for p in parts]
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     return tensor.to(dtype).contiguous()
 
 
-def write_rank(path: Path, plan: ConversionPlan, reader: TensorReader) -> str:
-    """Stream the planned tensors into `path`; returns the file's sha256."""
-    dtype = plan.config.torch_dtype
-    infos = [TensorInfo(t.name, dtype, t.shape) for t in plan.tensors]
-    with (
-        SafetensorsWriter(path, infos, {"format": "pt"}) as writer,
-        console.progress(f"writing {path.name}", len(infos)) as advance,
-    ):
-        for out in plan.tensors:
-            writer.write(out.name, _materialize(out, reader, dtype))
+def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int) -> Iterator[torch.Tensor]:
+    """make(item) for each item, in order, with up to `workers` computed ahead in threads (torch and file
+    reads release the GIL). Memory: at most `workers` tensors in flight."""
+    if workers <= 1:
+        yield from (make(item) for item in items)
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
+        queue: deque[Future[torch.Tensor]] = deque()
+        pending = iter(items)
+        try:
+            for item in pending:
+                queue.append(pool.submit(make, item))
+                if len(queue) >= workers:
+                    yield queue.popleft().result()
+            while queue:
+                yield queue.popleft().result()
+        finally:
+            for future in queue:
+                future.cancel()
+
+
+def write_stage(
+    out_dir: Path, plan: ConversionPlan, stage: int, reader: TensorReader, workers: int, advance: Any
+) -> dict[Path, str]:
+    """Write the TP rank files of one pipeline stage; returns their sha256 by path."""
+    cfg, dtype = plan.config, plan.config.torch_dtype
+    tp = cfg.mapping.tp_size
+    tensors = plan.stages[stage]
+    paths = [out_dir / rank_file(cfg.mapping.rank(t, stage)) for t in range(tp)]
+    with ExitStack() as stack:
+        writers = [
+            stack.enter_context(
+                SafetensorsWriter(
+                    path,
+                    [TensorInfo(o.name, dtype, shard_shape(o.shape, o.rule.split, cfg, tp)) for o in tensors],
+                    {"format": "pt"},
+                )
+            )
+            for path in paths
+        ]
+        made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers)
+        for out, full in zip(tensors, made, strict=True):
+            for t, writer in enumerate(writers):
+                writer.write(out.name, shard(full, out.rule.split, cfg, tp, t))
             advance(1)
-    return writer.sha256
+    return {path.resolve(): writer.sha256 for path, writer in zip(paths, writers, strict=True)}
 
 
 @contextmanager
@@ -169,39 +224,53 @@ def convert(
     dtype: str = "auto",
     force: bool = False,
     allow_pickle: bool = False,
+    tp: int = 1,
+    pp: int = 1,
+    workers: int = 1,
     record: StageRecord | None = None,
 ) -> dict[str, Any]:
     """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI."""
+    if workers < 1:
+        raise UserError(f"--workers must be at least 1 (got {workers})")
     ckpt = HFCheckpoint.open(model_dir, allow_pickle=allow_pickle)
-    plan = plan_conversion(ckpt, dtype)
+    plan = plan_conversion(ckpt, dtype, tp, pp)
     record = record or StageRecord("convert")
     if not ckpt.has_tokenizer():
         msg = f"{model_dir}: no tokenizer (tokenizer.json / tokenizer.model); the engine will lack one"
         console.warn(msg)
         record.warnings.append(msg)
-    console.info(f"converting {plan.architecture} from {model_dir} ({plan.config.dtype}, {len(plan.tensors)} tensors)")
+    cfg = plan.config
+    console.info(
+        f"converting {plan.architecture} from {model_dir} ({cfg.dtype}, tp={tp} pp={pp}, "
+        f"{plan.num_tensors} tensors, {workers} worker(s))"
+    )
     with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])
-        write_config(tmp, plan.config)
-        rank_path = tmp / rank_file(0)
-        with ckpt.reader() as reader:
-            record.known_sha256[rank_path.resolve()] = write_rank(rank_path, plan, reader)
+        write_config(tmp, cfg)
+        with ckpt.reader() as reader, console.progress("writing rank files", plan.num_tensors) as advance:
+            for stage in range(pp):
+                record.known_sha256.update(write_stage(tmp, plan, stage, reader, workers, advance))
         for path in ckpt.tokenizer_files():
             shutil.copyfile(path, tmp / path.name)
         record.details.update(
             architecture=plan.architecture,
-            dtype=plan.config.dtype,
-            num_tensors=len(plan.tensors),
-            num_parameters=sum(math.prod(t.shape) for t in plan.tensors),
+            dtype=cfg.dtype,
+            tp_size=tp,
+            pp_size=pp,
+            workers=workers,
+            num_tensors=plan.num_tensors,
+            num_parameters=sum(math.prod(t.shape) for stage in plan.stages for t in stage),
             model_dir=str(model_dir.resolve()),
         )
         manifest = record.write(tmp)
     return {
         "output_dir": str(out_dir.resolve()),
         "architecture": plan.architecture,
-        "dtype": plan.config.dtype,
-        "num_tensors": len(plan.tensors),
+        "dtype": cfg.dtype,
+        "tp_size": tp,
+        "pp_size": pp,
+        "num_tensors": plan.num_tensors,
         "num_parameters": record.details["num_parameters"],
         "outputs": manifest["outputs"],
         "warnings": record.warnings,

@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
+from toolchain.checkpoint.sharding import Rule, Split
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -27,27 +28,29 @@ DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"model\.(layers\.\d+\.self_a
 # Rope scaling types the reference forward (and our attention plugin) implement.
 ROPE_TYPES = ("default", "linear", "llama3")
 
-# One row per output tensor of a layer: TRT-LLM name <- HF name(s); several sources are concatenated on dim 0.
-_LAYER_TABLE: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("input_layernorm.weight", ("input_layernorm.weight",)),
-    (
-        "attention.qkv.weight",
-        ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
-    ),
-    ("attention.dense.weight", ("self_attn.o_proj.weight",)),
-    ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
-    ("mlp.fc.weight", ("mlp.gate_proj.weight",)),
-    ("mlp.gate.weight", ("mlp.up_proj.weight",)),
-    ("mlp.proj.weight", ("mlp.down_proj.weight",)),
+# One row per output tensor of a layer: TRT-LLM name <- HF name(s) (several: concatenated on dim 0), TP split.
+LayerRow = tuple[str, tuple[str, ...], Split]
+LAYER_TABLE: tuple[LayerRow, ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",), "replicate"),
+    ("attention.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
+    ("attention.dense.weight", ("self_attn.o_proj.weight",), "row"),
+    ("post_layernorm.weight", ("post_attention_layernorm.weight",), "replicate"),
+    ("mlp.fc.weight", ("mlp.gate_proj.weight",), "column"),
+    ("mlp.gate.weight", ("mlp.up_proj.weight",), "column"),
+    ("mlp.proj.weight", ("mlp.down_proj.weight",), "row"),
 )
-_ATTN_BIAS_TABLE = (
-    ("attention.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
-    ("attention.dense.bias", ("self_attn.o_proj.bias",)),
+QKV_BIAS_TABLE: tuple[LayerRow, ...] = (
+    ("attention.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
 )
-_MLP_BIAS_TABLE = (
-    ("mlp.fc.bias", ("mlp.gate_proj.bias",)),
-    ("mlp.gate.bias", ("mlp.up_proj.bias",)),
-    ("mlp.proj.bias", ("mlp.down_proj.bias",)),
+DENSE_BIAS_TABLE: tuple[LayerRow, ...] = (("attention.dense.bias", ("self_attn.o_proj.bias",), "replicate"),)
+MLP_BIAS_TABLE: tuple[LayerRow, ...] = (
+    ("mlp.fc.bias", ("mlp.gate_proj.bias",), "column"),
+    ("mlp.gate.bias", ("mlp.up_proj.bias",), "column"),
+    ("mlp.proj.bias", ("mlp.down_proj.bias",), "replicate"),
+)
+QK_NORM_TABLE: tuple[LayerRow, ...] = (
+    ("attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicate"),
+    ("attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicate"),
 )
 
 
@@ -79,6 +82,11 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
+    return llama_style_config(hf, dtype, source, "LlamaForCausalLM")
+
+
+def llama_style_config(hf: dict[str, Any], dtype: str, source: str, architecture: str, **fields: Any) -> ModelConfig:
+    """The config of every Llama-style family; `fields` override or add (attn_bias, qk_layernorm, ...)."""
     hidden = positive_int(hf, "hidden_size", source)
     heads = positive_int(hf, "num_attention_heads", source)
     kv_heads = positive_int(hf, "num_key_value_heads", source, heads)
@@ -89,10 +97,10 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
-        raise UserError(f"{source}: hidden_act {act!r} is not supported for Llama; supported: silu")
+        raise UserError(f"{source}: hidden_act {act!r} is not supported for {architecture}; supported: silu")
     theta, scaling = _rope(hf, source)
-    return ModelConfig(
-        architecture="LlamaForCausalLM",
+    values: dict[str, Any] = dict(
+        architecture=architecture,
         dtype=dtype,
         vocab_size=positive_int(hf, "vocab_size", source),
         hidden_size=hidden,
@@ -111,6 +119,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         attn_bias=boolean(hf, "attention_bias", source),
         mlp_bias=boolean(hf, "mlp_bias", source),
     )
+    return ModelConfig(**{**values, **fields})
 
 
 def _lm_head_source(cfg: ModelConfig, available: set[str]) -> str:
@@ -119,19 +128,33 @@ def _lm_head_source(cfg: ModelConfig, available: set[str]) -> str:
     return "model.embed_tokens.weight"
 
 
-def weight_table(cfg: ModelConfig, available: set[str]) -> list[tuple[str, tuple[str, ...]]]:
-    rows = list(_LAYER_TABLE)
+def layer_rows(cfg: ModelConfig) -> list[LayerRow]:
+    rows = list(LAYER_TABLE)
     if cfg.attn_bias:
-        rows += _ATTN_BIAS_TABLE
+        rows += QKV_BIAS_TABLE + DENSE_BIAS_TABLE
     if cfg.mlp_bias:
-        rows += _MLP_BIAS_TABLE
-    table: list[tuple[str, tuple[str, ...]]] = [
-        ("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",)),
-        ("transformer.ln_f.weight", ("model.norm.weight",)),
-        ("lm_head.weight", (_lm_head_source(cfg, available),)),
+        rows += MLP_BIAS_TABLE
+    if cfg.qk_layernorm:
+        rows += QK_NORM_TABLE
+    return rows
+
+
+def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
+    return build_table(cfg, available, layer_rows(cfg))
+
+
+def build_table(cfg: ModelConfig, available: set[str], rows: list[LayerRow]) -> list[Rule]:
+    """The table of every Llama-style family (Llama, Mistral, Qwen2, Qwen3); they differ in their layer rows."""
+    table = [
+        Rule("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",), "vocab"),
+        Rule("transformer.ln_f.weight", ("model.norm.weight",)),
+        Rule("lm_head.weight", (_lm_head_source(cfg, available),), "vocab"),
     ]
     for i in range(cfg.num_hidden_layers):
-        table += [(f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs)) for dst, srcs in rows]
+        table += [
+            Rule(f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs), split)
+            for dst, srcs, split in rows
+        ]
     return table
 
 
@@ -155,6 +178,8 @@ def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, Shape]:
         "mlp.gate_proj.bias": (i,),
         "mlp.up_proj.bias": (i,),
         "mlp.down_proj.bias": (h,),
+        "self_attn.q_norm.weight": (cfg.head_size,),
+        "self_attn.k_norm.weight": (cfg.head_size,),
     }
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
     for layer in range(cfg.num_hidden_layers):

@@ -9,12 +9,17 @@ import importlib
 import re
 from typing import Any, Protocol
 
+from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
 # HF `architectures[0]` -> module implementing it.
 _FAMILIES: dict[str, str] = {
     "LlamaForCausalLM": "toolchain.checkpoint.llama",
+    "MistralForCausalLM": "toolchain.checkpoint.mistral",
+    "Qwen2ForCausalLM": "toolchain.checkpoint.qwen2",
+    "Qwen3ForCausalLM": "toolchain.checkpoint.qwen3",
+    "GPT2LMHeadModel": "toolchain.checkpoint.gpt2",
 }
 
 Shape = tuple[int, ...]
@@ -29,7 +34,7 @@ class Family(Protocol):
 
     def source_shapes(self, cfg: ModelConfig, available: set[str]) -> dict[str, Shape]: ...
 
-    def weight_table(self, cfg: ModelConfig, available: set[str]) -> list[tuple[str, tuple[str, ...]]]: ...
+    def weight_table(self, cfg: ModelConfig, available: set[str]) -> list[Rule]: ...
 
 
 def supported_architectures() -> list[str]:

@@ -34,11 +34,27 @@ def rank_file(rank: int) -> str:
 
 @dataclass(frozen=True)
 class Mapping:
-    """How the model is split over GPUs; world_size = tp_size * pp_size."""
+    """How the model is split over GPUs; world_size = tp_size * pp_size (TensorRT-LLM's Mapping.to_dict
+    fields that matter without context parallelism or MoE, at their defaults)."""
 
     world_size: int = 1
     tp_size: int = 1
     pp_size: int = 1
+    cp_size: int = 1
+    moe_tp_size: int = 1
+    moe_ep_size: int = 1
+
+    @classmethod
+    def for_parallel(cls, tp: int, pp: int) -> Mapping:
+        return cls(world_size=tp * pp, tp_size=tp, pp_size=pp, moe_tp_size=tp)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Mapping:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def rank(self, tp_rank: int, pp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
 
     def __post_init__(self) -> None:
         if self.world_size != self.tp_size * self.pp_size:
@@ -99,6 +115,9 @@ class ModelConfig:
     sliding_window: int | None = None
     mapping: Mapping = field(default_factory=Mapping)
     quantization: QuantConfig = field(default_factory=QuantConfig)
+    # Family-specific fields (qwen_type, gpt_variant, bias, ...), written flat into config.json as
+    # TensorRT-LLM does; unknown keys read from a config.json land here too, so nothing is lost.
+    family_fields: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_INTS:
@@ -120,14 +139,16 @@ class ModelConfig:
         return DTYPES[self.dtype]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        return {**data.pop("family_fields"), **data}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = CONFIG_NAME) -> ModelConfig:
-        known = {f.name for f in fields(cls)}
-        args = {k: v for k, v in data.items() if k in known}
+        known = {f.name for f in fields(cls)} - {"family_fields"}
+        args: dict[str, Any] = {k: v for k, v in data.items() if k in known}
+        args["family_fields"] = {k: v for k, v in data.items() if k not in known}
         try:
-            args["mapping"] = Mapping(**(data.get("mapping") or {}))
+            args["mapping"] = Mapping.from_dict(data.get("mapping") or {})
             args["quantization"] = QuantConfig(**(data.get("quantization") or {}))
             return cls(**args)
         except TypeError as e:

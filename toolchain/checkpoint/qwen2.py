@@ -1,0 +1,37 @@
+"""Qwen2 (`Qwen2ForCausalLM`): Llama's layout with biases on q, k and v (none on o_proj).
+
+From TensorRT-LLM's tensorrt_llm/models/qwen/convert.py and utils.py (`get_qwen_key_list`): q/k/v weights and
+biases fuse into `attention.qkv.{weight,bias}`, gate_proj -> `mlp.fc`, up_proj -> `mlp.gate`; config
+`architecture` = "Qwen2ForCausalLM", `qwen_type` = "qwen2", `attn_bias` = true. Qwen2's per-layer sliding
+window (`use_sliding_window` with `max_window_layers`) is refused: neither the reference nor our attention
+plugin implements a window that differs by layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolchain.checkpoint.llama import (
+    DROPPED,
+    LAYER_TABLE,
+    QKV_BIAS_TABLE,
+    build_table,
+    llama_style_config,
+    source_shapes,
+)
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.errors import UserError
+
+__all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
+    if hf.get("use_sliding_window"):
+        raise UserError(f"{source}: use_sliding_window=true (per-layer windows) is not supported; set it to false")
+    return llama_style_config(
+        hf, dtype, source, "Qwen2ForCausalLM", attn_bias=True, family_fields={"qwen_type": "qwen2"}
+    )
+
+
+def weight_table(cfg: ModelConfig, available: set[str]) -> list[Any]:
+    return build_table(cfg, available, [*LAYER_TABLE, *QKV_BIAS_TABLE])

@@ -1,0 +1,155 @@
+"""Tensor and pipeline parallelism: which rank holds which slice of which tensor, as TensorRT-LLM lays it out.
+
+Facts from TensorRT-LLM (tensorrt_llm/mapping.py, models/llama/convert.py, models/convert_utils.py,
+_utils.py::pad_vocab_size):
+- rank = pp_rank * tp_size + tp_rank; files are rank{rank}.safetensors.
+- Pipeline stages take `torch.tensor_split(range(L), pp)` layers (the first L % pp stages get one more);
+  layer indices are renumbered from 0 in every rank file; the embeddings live on the first stage, ln_f and
+  lm_head on the last.
+- Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too; row-parallel weights
+  (attention.dense, mlp.proj) split on dim 1 and keep their bias whole; norms are replicated.
+- qkv splits q, k and v separately by heads and concatenates [q_r; k_r; v_r]. With fewer KV heads than
+  ranks, each KV head is repeated tp/kv times so every rank holds exactly one (tp must be a multiple of kv).
+- lm_head (and the embedding, which we shard too: use_parallel_embedding, sharding dim 0) are zero-padded to
+  a vocabulary multiple of tp, then split on dim 0.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.errors import UserError
+
+Split = Literal["replicate", "column", "row", "qkv", "vocab"]
+_LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
+FIRST_STAGE = ("transformer.vocab_embedding.", "transformer.position_embedding.")
+LAST_STAGE = ("transformer.ln_f.", "lm_head.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), how it is split, and whether
+    the sources are stored transposed (GPT-2's Conv1D keeps [in, out])."""
+
+    dst: str
+    srcs: tuple[str, ...]
+    split: Split = "replicate"
+    transpose: bool = False
+
+
+def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
+    """Refuse splits TensorRT-LLM cannot run, naming the sizes that would work."""
+    if tp < 1 or pp < 1:
+        raise UserError(f"--tp and --pp must be at least 1 (got tp={tp}, pp={pp})")
+    valid = [n for n in range(1, cfg.num_attention_heads + 1) if _tp_ok(cfg, n)]
+    if not _tp_ok(cfg, tp):
+        raise UserError(
+            f"{source}: --tp {tp} does not divide this model (num_attention_heads {cfg.num_attention_heads}, "
+            f"num_key_value_heads {cfg.num_key_value_heads}, intermediate_size {cfg.intermediate_size}); "
+            f"valid --tp: {', '.join(map(str, valid))}"
+        )
+    if pp > cfg.num_hidden_layers:
+        raise UserError(f"{source}: --pp {pp} exceeds num_hidden_layers {cfg.num_hidden_layers}; use at most that")
+
+
+def _tp_ok(cfg: ModelConfig, tp: int) -> bool:
+    kv = cfg.num_key_value_heads
+    kv_ok = kv % tp == 0 or tp % kv == 0
+    return cfg.num_attention_heads % tp == 0 and cfg.intermediate_size % tp == 0 and kv_ok
+
+
+def stage_layers(num_layers: int, pp: int) -> list[range]:
+    base, extra = divmod(num_layers, pp)
+    stages, start = [], 0
+    for p in range(pp):
+        size = base + (1 if p < extra else 0)
+        stages.append(range(start, start + size))
+        start += size
+    return stages
+
+
+def local_name(dst: str, layers: range, first: bool, last: bool) -> str | None:
+    """`dst` as named in a stage holding `layers`, or None when the tensor lives on another stage."""
+    match = _LAYER.fullmatch(dst)
+    if match:
+        layer = int(match.group(1))
+        return f"transformer.layers.{layer - layers.start}.{match.group(2)}" if layer in layers else None
+    if dst.startswith(FIRST_STAGE):
+        return dst if first else None
+    if dst.startswith(LAST_STAGE):
+        return dst if last else None
+    raise AssertionError(f"{dst}: not assigned to a pipeline stage")
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    return math.ceil(vocab / tp) * tp
+
+
+def shard_shape(shape: tuple[int, ...], split: Split, cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+    if tp == 1 or split == "replicate" or (split == "row" and len(shape) == 1):
+        return shape
+    if split == "row":
+        return (shape[0], shape[1] // tp, *shape[2:])
+    if split == "vocab":
+        return (padded_vocab(shape[0], tp) // tp, *shape[1:])
+    if split == "qkv":
+        q, kv = _qkv_heads(cfg, tp)
+        return ((q + 2 * kv) * cfg.head_size, *shape[1:])
+    return (shape[0] // tp, *shape[1:])
+
+
+def _qkv_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
+    return cfg.num_attention_heads // tp, max(cfg.num_key_value_heads // tp, 1)
+
+
+def shard(tensor: torch.Tensor, split: Split, cfg: ModelConfig, tp: int, rank: int) -> torch.Tensor:
+    """The slice of `tensor` that TP rank `rank` holds (contiguous)."""
+    if tp == 1 or split == "replicate" or (split == "row" and tensor.dim() == 1):
+        return tensor
+    if split == "row":
+        return tensor.chunk(tp, dim=1)[rank].contiguous()
+    if split == "vocab":
+        pad = padded_vocab(tensor.shape[0], tp) - tensor.shape[0]
+        if pad:
+            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
+        return tensor.chunk(tp, dim=0)[rank].contiguous()
+    if split == "qkv":
+        d = cfg.head_size
+        q, k, v = torch.split(
+            tensor, [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
+        )
+        kv = cfg.num_key_value_heads
+        if kv >= tp:
+            k, v = k.chunk(tp)[rank], v.chunk(tp)[rank]
+        else:  # replicate: rank r holds KV head r // (tp / kv)
+            head = rank // (tp // kv)
+            k, v = k[head * d : (head + 1) * d], v[head * d : (head + 1) * d]
+        return torch.cat([q.chunk(tp)[rank], k, v]).contiguous()
+    return tensor.chunk(tp, dim=0)[rank].contiguous()
+
+
+def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows: int) -> torch.Tensor:
+    """Inverse of `shard` over all TP ranks (drops vocab padding and repeated KV heads)."""
+    tp = len(parts)
+    if tp == 1 or split == "replicate" or (split == "row" and parts[0].dim() == 1):
+        return parts[0]
+    if split == "row":
+        return torch.cat(parts, dim=1)
+    if split == "vocab":
+        return torch.cat(parts)[:full_rows]
+    if split == "qkv":
+        q_local, kv_local = _qkv_heads(cfg, tp)
+        d = cfg.head_size
+        pieces = [torch.split(p, [q_local * d, kv_local * d, kv_local * d]) for p in parts]
+        step = max(tp // cfg.num_key_value_heads, 1)  # ranks sharing one replicated KV head
+        qs = [p[0] for p in pieces]
+        ks = [p[1] for p in pieces][::step]
+        vs = [p[2] for p in pieces][::step]
+        return torch.cat([*qs, *ks, *vs])
+    return torch.cat(parts)
