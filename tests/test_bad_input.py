@@ -73,7 +73,9 @@ def test_unsupported_architecture_lists_supported(cli: Any, make_llama: Any, tmp
     edit_config(hf, architectures=["FalconForCausalLM"])
     line = convert_fails(cli, hf, tmp_path / "out")
     assert "FalconForCausalLM" in line
-    assert "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in line
+    assert (
+        "supported: GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in line
+    )
 
 
 def test_unsupported_rope_scaling(cli: Any, make_llama: Any, tmp_path: Path) -> None:

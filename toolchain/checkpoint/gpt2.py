@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
-from toolchain.checkpoint.sharding import Rule, Split
+from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -25,20 +25,20 @@ Shape = tuple[int, ...]
 DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias"),)
 ACTIVATIONS = ("gelu_new", "gelu", "gelu_pytorch_tanh", "relu")
 
-# TRT-LLM layer name <- HF layer name, TP split, stored transposed (Conv1D).
-_LAYER: tuple[tuple[str, str, Split, bool], ...] = (
-    ("input_layernorm.weight", "ln_1.weight", "replicate", False),
-    ("input_layernorm.bias", "ln_1.bias", "replicate", False),
-    ("attention.qkv.weight", "attn.c_attn.weight", "qkv", True),
-    ("attention.qkv.bias", "attn.c_attn.bias", "qkv", False),
-    ("attention.dense.weight", "attn.c_proj.weight", "row", True),
-    ("attention.dense.bias", "attn.c_proj.bias", "replicate", False),
-    ("post_layernorm.weight", "ln_2.weight", "replicate", False),
-    ("post_layernorm.bias", "ln_2.bias", "replicate", False),
-    ("mlp.fc.weight", "mlp.c_fc.weight", "column", True),
-    ("mlp.fc.bias", "mlp.c_fc.bias", "column", False),
-    ("mlp.proj.weight", "mlp.c_proj.weight", "row", True),
-    ("mlp.proj.bias", "mlp.c_proj.bias", "replicate", False),
+# TRT-LLM layer name <- HF layer name, stored transposed (Conv1D).
+_LAYER: tuple[tuple[str, str, bool], ...] = (
+    ("input_layernorm.weight", "ln_1.weight", False),
+    ("input_layernorm.bias", "ln_1.bias", False),
+    ("attention.qkv.weight", "attn.c_attn.weight", True),
+    ("attention.qkv.bias", "attn.c_attn.bias", False),
+    ("attention.dense.weight", "attn.c_proj.weight", True),
+    ("attention.dense.bias", "attn.c_proj.bias", False),
+    ("post_layernorm.weight", "ln_2.weight", False),
+    ("post_layernorm.bias", "ln_2.bias", False),
+    ("mlp.fc.weight", "mlp.c_fc.weight", True),
+    ("mlp.fc.bias", "mlp.c_fc.bias", False),
+    ("mlp.proj.weight", "mlp.c_proj.weight", True),
+    ("mlp.proj.bias", "mlp.c_proj.bias", False),
 )
 
 
@@ -81,16 +81,15 @@ def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
     p = _prefix(available)
     head = "lm_head.weight" if "lm_head.weight" in available or not cfg.tie_word_embeddings else f"{p}wte.weight"
     table = [
-        Rule("transformer.vocab_embedding.weight", (f"{p}wte.weight",), "vocab"),
+        Rule("transformer.vocab_embedding.weight", (f"{p}wte.weight",)),
         Rule("transformer.position_embedding.weight", (f"{p}wpe.weight",)),
         Rule("transformer.ln_f.weight", (f"{p}ln_f.weight",)),
         Rule("transformer.ln_f.bias", (f"{p}ln_f.bias",)),
-        Rule("lm_head.weight", (head,), "vocab"),
+        Rule("lm_head.weight", (head,)),
     ]
     for i in range(cfg.num_hidden_layers):
         table += [
-            Rule(f"transformer.layers.{i}.{dst}", (f"{p}h.{i}.{src}",), split, transpose)
-            for dst, src, split, transpose in _LAYER
+            Rule(f"transformer.layers.{i}.{dst}", (f"{p}h.{i}.{src}",), transpose) for dst, src, transpose in _LAYER
         ]
     return table
 

@@ -16,7 +16,7 @@ import re
 from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
-from toolchain.checkpoint.sharding import Rule, Split
+from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -28,29 +28,29 @@ DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"model\.(layers\.\d+\.self_a
 # Rope scaling types the reference forward (and our attention plugin) implement.
 ROPE_TYPES = ("default", "linear", "llama3")
 
-# One row per output tensor of a layer: TRT-LLM name <- HF name(s) (several: concatenated on dim 0), TP split.
-LayerRow = tuple[str, tuple[str, ...], Split]
+# One row per output tensor of a layer: TRT-LLM name <- HF name(s) (several: concatenated on dim 0).
+LayerRow = tuple[str, tuple[str, ...]]
 LAYER_TABLE: tuple[LayerRow, ...] = (
-    ("input_layernorm.weight", ("input_layernorm.weight",), "replicate"),
-    ("attention.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"), "qkv"),
-    ("attention.dense.weight", ("self_attn.o_proj.weight",), "row"),
-    ("post_layernorm.weight", ("post_attention_layernorm.weight",), "replicate"),
-    ("mlp.fc.weight", ("mlp.gate_proj.weight",), "column"),
-    ("mlp.gate.weight", ("mlp.up_proj.weight",), "column"),
-    ("mlp.proj.weight", ("mlp.down_proj.weight",), "row"),
+    ("input_layernorm.weight", ("input_layernorm.weight",)),
+    ("attention.qkv.weight", ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+    ("attention.dense.weight", ("self_attn.o_proj.weight",)),
+    ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.fc.weight", ("mlp.gate_proj.weight",)),
+    ("mlp.gate.weight", ("mlp.up_proj.weight",)),
+    ("mlp.proj.weight", ("mlp.down_proj.weight",)),
 )
 QKV_BIAS_TABLE: tuple[LayerRow, ...] = (
-    ("attention.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), "qkv"),
+    ("attention.qkv.bias", ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")),
 )
-DENSE_BIAS_TABLE: tuple[LayerRow, ...] = (("attention.dense.bias", ("self_attn.o_proj.bias",), "replicate"),)
+DENSE_BIAS_TABLE: tuple[LayerRow, ...] = (("attention.dense.bias", ("self_attn.o_proj.bias",)),)
 MLP_BIAS_TABLE: tuple[LayerRow, ...] = (
-    ("mlp.fc.bias", ("mlp.gate_proj.bias",), "column"),
-    ("mlp.gate.bias", ("mlp.up_proj.bias",), "column"),
-    ("mlp.proj.bias", ("mlp.down_proj.bias",), "replicate"),
+    ("mlp.fc.bias", ("mlp.gate_proj.bias",)),
+    ("mlp.gate.bias", ("mlp.up_proj.bias",)),
+    ("mlp.proj.bias", ("mlp.down_proj.bias",)),
 )
 QK_NORM_TABLE: tuple[LayerRow, ...] = (
-    ("attention.q_layernorm.weight", ("self_attn.q_norm.weight",), "replicate"),
-    ("attention.k_layernorm.weight", ("self_attn.k_norm.weight",), "replicate"),
+    ("attention.q_layernorm.weight", ("self_attn.q_norm.weight",)),
+    ("attention.k_layernorm.weight", ("self_attn.k_norm.weight",)),
 )
 
 
@@ -146,14 +146,13 @@ def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
 def build_table(cfg: ModelConfig, available: set[str], rows: list[LayerRow]) -> list[Rule]:
     """The table of every Llama-style family (Llama, Mistral, Qwen2, Qwen3); they differ in their layer rows."""
     table = [
-        Rule("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",), "vocab"),
+        Rule("transformer.vocab_embedding.weight", ("model.embed_tokens.weight",)),
         Rule("transformer.ln_f.weight", ("model.norm.weight",)),
-        Rule("lm_head.weight", (_lm_head_source(cfg, available),), "vocab"),
+        Rule("lm_head.weight", (_lm_head_source(cfg, available),)),
     ]
     for i in range(cfg.num_hidden_layers):
         table += [
-            Rule(f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs), split)
-            for dst, srcs, split in rows
+            Rule(f"transformer.layers.{i}.{dst}", tuple(f"model.layers.{i}.{s}" for s in srcs)) for dst, srcs in rows
         ]
     return table
 

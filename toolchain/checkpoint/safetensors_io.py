@@ -108,12 +108,19 @@ def _check_layout(path: Path, infos: dict[str, TensorInfo], data_start: int, siz
 
 
 def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
-    """Read one tensor with plain file reads into a fresh buffer: memory use is that tensor, nothing more
-    (an mmap'ed file would count every page touched so far towards the process's RSS)."""
+    """Read one tensor with positioned reads into a fresh buffer: memory use is that tensor, nothing more
+    (an mmap'ed file would count every page touched so far towards the process's RSS), and `pread` keeps no
+    shared file position, so worker threads can read from one handle at once."""
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    file.seek(info.file_offset)
-    if file.readinto(buf.numpy().data) != info.nbytes:
-        raise UserError(f"{file.name}: tensor {info.name} could not be read in full; the file changed or is damaged")
+    view = buf.numpy().data.cast("B")
+    done = 0
+    while done < info.nbytes:  # the kernel returns at most ~2 GiB per call
+        n = os.preadv(file.fileno(), [view[done:]], info.file_offset + done)
+        if n == 0:
+            raise UserError(
+                f"{file.name}: tensor {info.name} could not be read in full; the file changed or is damaged"
+            )
+        done += n
     return buf.view(info.dtype).reshape(info.shape)
 
 

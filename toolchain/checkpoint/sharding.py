@@ -32,15 +32,32 @@ FIRST_STAGE = ("transformer.vocab_embedding.", "transformer.position_embedding."
 LAST_STAGE = ("transformer.ln_f.", "lm_head.")
 
 
+# How a tensor is split follows from its TensorRT-LLM name alone: the name says which layer type holds it.
+_SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
+    (re.compile(r"(transformer\.vocab_embedding|lm_head)\.weight"), "vocab"),
+    (re.compile(r".*\.attention\.qkv\.(weight|bias)"), "qkv"),
+    (re.compile(r".*\.(attention\.dense|mlp\.proj)\.weight"), "row"),
+    (re.compile(r".*\.mlp\.(fc|gate)\.(weight|bias)"), "column"),
+)
+
+
+def split_of(name: str) -> Split:
+    """'replicate' for norms, row-parallel biases, position embeddings, qk-norms."""
+    return next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
+
+
 @dataclass(frozen=True)
 class Rule:
-    """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), how it is split, and whether
-    the sources are stored transposed (GPT-2's Conv1D keeps [in, out])."""
+    """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are
+    stored transposed (GPT-2's Conv1D keeps [in, out])."""
 
     dst: str
     srcs: tuple[str, ...]
-    split: Split = "replicate"
     transpose: bool = False
+
+    @property
+    def split(self) -> Split:
+        return split_of(self.dst)
 
 
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
