@@ -1,4 +1,4 @@
-"""Benchmark `trtbuild convert` against a byte copy (the floor) and a transformers load+save round trip.
+"""Benchmark `trtbuild convert` (TP=1, TP=2) against a byte copy (the floor) and a transformers round trip.
 
 One run, same model, same warm page cache: a random Llama written as several bf16 safetensors shards
 (default hidden 2048, 16 layers: about 1.7 GB). Each method runs as its own process under /usr/bin/time, which
@@ -130,6 +130,7 @@ def main() -> None:
         methods = {
             "byte copy (floor)": lambda d: ["cp", "-r", str(src), str(d)],
             "trtbuild convert tp=1": lambda d: [trtbuild, "convert", str(src), "-o", str(d)],
+            "trtbuild convert tp=2": lambda d: [trtbuild, "convert", str(src), "-o", str(d), "--tp", "2"],
         }
         if not args.skip_transformers:
             methods["transformers load+save"] = lambda d: [python, "-c", HF_ROUND_TRIP, str(src), str(d)]

@@ -16,5 +16,6 @@ def test_convert_benchmark_smoke() -> None:
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "convert.py"), *args], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     table = json.loads(result.stdout)
-    assert [r["method"] for r in table["rows"]] == ["byte copy (floor)", "trtbuild convert tp=1"]
+    methods = ["byte copy (floor)", "trtbuild convert tp=1", "trtbuild convert tp=2"]
+    assert [r["method"] for r in table["rows"]] == methods
     assert all(r["wall_s"] >= 0 and r["peak_rss_mib"] > 0 for r in table["rows"])

@@ -10,6 +10,7 @@ byte-identical whatever the number of workers.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import math
 import shutil
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -161,25 +163,46 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) ->
     return tensor.to(dtype).contiguous()
 
 
-def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int) -> Iterator[torch.Tensor]:
-    """make(item) for each item, in order, with up to `workers` computed ahead in threads (torch and file
-    reads release the GIL). Memory: at most `workers` tensors in flight."""
-    if workers <= 1:
-        yield from (make(item) for item in items)
-        return
+def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: Any) -> Iterator[torch.Tensor]:
+    """make(item) for each item, in order, computed ahead in up to `workers` threads (torch ops and file reads
+    release the GIL). Memory: the tensors in flight never exceed the largest single one (`cost` in bytes), so
+    small tensors are pipelined and a large one is made alone."""
+    budget = max((cost(item) for item in items), default=0)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-        queue: deque[Future[torch.Tensor]] = deque()
-        pending = iter(items)
+        queue: deque[tuple[Future[torch.Tensor], int]] = deque()
+        in_flight = 0
         try:
-            for item in pending:
-                queue.append(pool.submit(make, item))
-                if len(queue) >= workers:
-                    yield queue.popleft().result()
+            for item in items:
+                while queue and (len(queue) >= workers or in_flight + cost(item) > budget):
+                    future, size = queue.popleft()
+                    in_flight -= size
+                    yield future.result()
+                queue.append((pool.submit(make, item), cost(item)))
+                in_flight += cost(item)
             while queue:
-                yield queue.popleft().result()
+                yield queue.popleft()[0].result()
         finally:
-            for future in queue:
+            for future, _ in queue:
                 future.cancel()
+
+
+def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
+    """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
+    makes a new tensor."""
+    read = sum(reader.nbytes(s) for s in out.rule.srcs)
+    copies = len(out.rule.srcs) > 1 or out.rule.transpose or any(reader.dtype(s) != dtype for s in out.rule.srcs)
+    return read + (math.prod(out.shape) * dtype.itemsize if copies else 0)
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve allocations of 4 MiB and more with mmap, so freed tensors go back to the OS at once.
+    Its default threshold grows with use (up to 32 MiB), after which freed tensors stay in per-thread arenas
+    and RSS climbs with the number of workers. A no-op where glibc is absent."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (malloc.h); setting it also stops the dynamic growth
+    except (OSError, AttributeError):
+        pass
 
 
 def write_stage(
@@ -201,10 +224,11 @@ def write_stage(
             )
             for path in paths
         ]
-        made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers)
+        made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers, partial(_cost, reader, dtype))
         for out, full in zip(tensors, made, strict=True):
             for t, writer in enumerate(writers):
                 writer.write(out.name, shard(full, out.rule.split, cfg, tp, t))
+            del full  # before the next tensor is made
             advance(1)
     return {path.resolve(): writer.sha256 for path, writer in zip(paths, writers, strict=True)}
 
@@ -244,6 +268,7 @@ def convert(
         f"converting {plan.architecture} from {model_dir} ({cfg.dtype}, tp={tp} pp={pp}, "
         f"{plan.num_tensors} tensors, {workers} worker(s))"
     )
+    _return_freed_memory()
     with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])

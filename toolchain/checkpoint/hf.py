@@ -147,6 +147,12 @@ class TensorReader:
             self._handles[path] = self._stack.enter_context(path.open("rb"))
         return read_tensor(self._handles[path], self._ckpt.tensors[name])
 
+    def nbytes(self, name: str) -> int:
+        return self._ckpt.tensors[name].nbytes
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._ckpt.tensors[name].dtype
+
     def file_of(self, name: str) -> Path:
         return self._ckpt.files[name]
 
