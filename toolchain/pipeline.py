@@ -45,6 +45,9 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
             tmp / "checkpoint",
             dtype=recipe.model.dtype,
             allow_pickle=recipe.model.allow_pickle,
+            tp=recipe.convert.tp,
+            pp=recipe.convert.pp,
+            workers=recipe.convert.workers,
             record=convert_record,
         )
         run.add_inputs(loaded.path.parent, [loaded.path])

@@ -32,6 +32,14 @@ class ModelSection(_Section):
     allow_pickle: StrictBool = Field(False, description="Allow pickle weights (*.bin), loaded with weights_only=True")
 
 
+class ConvertSection(_Section):
+    """How the checkpoint is split for multi-GPU engines (TensorRT-LLM's mapping)."""
+
+    tp: StrictInt = Field(1, ge=1, description="Tensor-parallel size")
+    pp: StrictInt = Field(1, ge=1, description="Pipeline-parallel size")
+    workers: StrictInt = Field(2, ge=1, le=64, description="Tensors prepared in parallel; never changes the output")
+
+
 class QuantizeSection(_Section):
     """Reserved for the quantize stage (not implemented in this version)."""
 
@@ -53,6 +61,7 @@ class Recipe(_Section):
     seed: StrictInt = Field(0, description="Seed for every random choice (calibration sampling, ...)")
     output: Path | None = Field(None, description="Default output directory (relative to the recipe); -o overrides")
     model: ModelSection
+    convert: ConvertSection = Field(default_factory=ConvertSection)
     quantize: QuantizeSection | None = None
     build: BuildSection | None = None
     eval: EvalSection | None = None

@@ -38,6 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
+_WRITEBACK_MIN = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -150,7 +151,13 @@ class SafetensorsWriter:
 
     def _put(self, data: bytes | memoryview) -> None:
         self._digest.update(data)
+        start = self._file.tell()
         self._file.write(data)
+        if len(data) >= _WRITEBACK_MIN and hasattr(os, "posix_fadvise"):
+            # Start writing this tensor to disk now (Linux begins writeback of dirty pages on DONTNEED), so
+            # the fsync at close has little left to wait for and the page cache does not fill with the model.
+            self._file.flush()
+            os.posix_fadvise(self._file.fileno(), start, len(data), os.POSIX_FADV_DONTNEED)
 
     @property
     def sha256(self) -> str:
