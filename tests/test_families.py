@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import BASE
 from safetensors.torch import load_file, save_file
 from test_convert_llama import compare
 
@@ -24,20 +25,8 @@ def save_random(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
     }[arch]
-    base: dict[str, Any] = (
-        {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 64}
-        if arch == "gpt2"
-        else {
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "vocab_size": 97,
-            "max_position_embeddings": 128,
-            "tie_word_embeddings": False,
-        }
-    )
+    gpt2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 64}
+    base: dict[str, Any] = gpt2 if arch == "gpt2" else BASE
     torch.manual_seed(seed)
     model = model_cls(config_cls(**{**base, **overrides}))
     with torch.no_grad():
@@ -120,3 +109,12 @@ def test_gpt2_with_the_prefix_missing_on_some_tensors(cli: Any, tmp_path: Path) 
     save_file(mixed, str(hf / "model.safetensors"))
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
     assert "missing" in line and "transformer.h.1." in line
+
+
+def test_qwen_per_layer_window_is_refused(cli: Any, tmp_path: Path) -> None:
+    from conftest import one_line_error
+    from test_bad_input import edit_config
+
+    hf = save_random(tmp_path / "hf", "qwen2")
+    edit_config(hf, use_sliding_window=True)
+    assert "use_sliding_window=true" in one_line_error(cli("convert", hf, "-o", tmp_path / "out"))

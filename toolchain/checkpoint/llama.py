@@ -81,6 +81,12 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
     return theta, dict(sorted(scaling.items()))
 
 
+def refuse_layer_windows(hf: dict[str, Any], source: str) -> None:
+    """Qwen's `use_sliding_window` windows only some layers (`max_window_layers`): not implemented."""
+    if hf.get("use_sliding_window"):
+        raise UserError(f"{source}: use_sliding_window=true (per-layer windows) is not supported; set it to false")
+
+
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     return llama_style_config(hf, dtype, source, "LlamaForCausalLM")
 

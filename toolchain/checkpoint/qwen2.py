@@ -17,17 +17,16 @@ from toolchain.checkpoint.llama import (
     QKV_BIAS_TABLE,
     build_table,
     llama_style_config,
+    refuse_layer_windows,
     source_shapes,
 )
 from toolchain.checkpoint.trtllm import ModelConfig
-from toolchain.errors import UserError
 
 __all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    if hf.get("use_sliding_window"):
-        raise UserError(f"{source}: use_sliding_window=true (per-layer windows) is not supported; set it to false")
+    refuse_layer_windows(hf, source)
     return llama_style_config(
         hf, dtype, source, "Qwen2ForCausalLM", attn_bias=True, family_fields={"qwen_type": "qwen2"}
     )

@@ -10,16 +10,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from toolchain.checkpoint.llama import DROPPED, llama_style_config, source_shapes, weight_table
+from toolchain.checkpoint.llama import (
+    DROPPED,
+    llama_style_config,
+    refuse_layer_windows,
+    source_shapes,
+    weight_table,
+)
 from toolchain.checkpoint.trtllm import ModelConfig
-from toolchain.errors import UserError
 
 __all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    if hf.get("use_sliding_window"):
-        raise UserError(f"{source}: use_sliding_window=true (per-layer windows) is not supported; set it to false")
+    refuse_layer_windows(hf, source)
     return llama_style_config(
         hf, dtype, source, "Qwen3ForCausalLM", qk_layernorm=True, family_fields={"qwen_type": "qwen3"}
     )
