@@ -1,0 +1,1 @@
+"""Evaluation: text datasets and the quality comparison of a model variant against its reference."""
