@@ -118,3 +118,12 @@ def test_qwen_per_layer_window_is_refused(cli: Any, tmp_path: Path) -> None:
     hf = save_random(tmp_path / "hf", "qwen2")
     edit_config(hf, use_sliding_window=True)
     assert "use_sliding_window=true" in one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
+
+
+def test_gpt2_exact_gelu_is_refused(cli: Any, tmp_path: Path) -> None:
+    """TensorRT-LLM's gelu is the tanh approximation: an erf-GELU model would not be what the engine computes."""
+    from conftest import one_line_error
+
+    hf = save_random(tmp_path / "hf", "gpt2", activation_function="gelu")
+    line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
+    assert "activation_function 'gelu'" in line and "gelu_new" in line

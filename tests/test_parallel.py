@@ -92,9 +92,9 @@ def test_workers_do_not_change_a_byte(make_llama: Any, tmp_path: Path) -> None:
 def test_tp_that_does_not_divide_lists_valid_sizes(cli: Any, make_llama: Any, tmp_path: Path) -> None:
     hf = make_llama()  # 8 heads, 2 KV heads, intermediate 96
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out", "--tp", "3"))
-    assert "--tp 3 does not divide" in line and "valid --tp: 1, 2, 4, 8" in line
+    assert "tensor-parallel size 3 (--tp, convert.tp) does not divide" in line and "valid: 1, 2, 4, 8" in line
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out", "--pp", "5"))
-    assert "--pp 5 exceeds num_hidden_layers 2" in line
+    assert "pipeline-parallel size 5 (--pp, convert.pp) exceeds num_hidden_layers 2" in line
 
 
 def test_mismatch_in_one_layer_only(cli: Any, make_llama: Any, tmp_path: Path) -> None:
@@ -116,3 +116,35 @@ def test_two_shards_holding_the_same_tensor(cli: Any, make_llama: Any, tmp_path:
     save_file({"model.norm.weight": tensors["model.norm.weight"]}, str(hf / "extra.safetensors"))
     line = convert_fails(cli, hf, tmp_path / "out")
     assert "model.norm.weight" in line and "duplicate" in line
+
+
+def test_gpt2_position_embedding_is_split_like_the_vocabulary(tmp_path: Path) -> None:
+    hf = save_random(tmp_path / "hf", "gpt2", n_positions=63)
+    convert(hf, tmp_path / "tp", tp=2)
+    ranks = [load_file(str(tmp_path / "tp" / f"rank{r}.safetensors")) for r in range(2)]
+    assert [r["transformer.position_embedding.weight"].shape[0] for r in ranks] == [32, 32]
+    full = load_file(str(hf / "model.safetensors"))["transformer.wpe.weight"]
+    assert torch.equal(merge_ranks(tmp_path / "tp")["transformer.position_embedding.weight"], full)
+
+
+def test_reference_from_a_multi_rank_checkpoint_merges(make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama(num_hidden_layers=3)
+    convert(hf, tmp_path / "one")
+    convert(hf, tmp_path / "many", tp=2, pp=3)
+    ids = torch.arange(20)[None]
+    one = ReferenceModel.from_checkpoint(tmp_path / "one").forward(ids)
+    assert torch.equal(ReferenceModel.from_checkpoint(tmp_path / "many").forward(ids), one)
+
+
+def test_full_disk_is_one_line(cli: Any, make_llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    import toolchain.checkpoint.safetensors_io as sio
+
+    def full(self: Any, data: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out"))
+
+    monkeypatch.setattr(sio.SafetensorsWriter, "_put", full)
+    line = one_line_error(cli("convert", make_llama(), "-o", tmp_path / "out"))
+    assert "No space left on device" in line
+    assert not (tmp_path / "out").exists()

@@ -109,3 +109,8 @@ def test_recipe_convert_section_splits_the_checkpoint(cli: Any, make_llama: Any,
     assert len(list((tmp_path / "o" / "checkpoint").glob("rank*.safetensors"))) == 4
     line = one_line_error(cli("run", recipe, "-o", tmp_path / "o2", "--set", "convert.tp=0"))
     assert "--set convert.tp" in line and "greater than or equal to 1" in line
+
+
+def test_empty_convert_section_means_defaults(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nconvert:\n  # tp: 2\n")
+    assert cli("run", recipe, "-o", tmp_path / "o").exit_code == 0

@@ -54,6 +54,11 @@ def atomic_dir(out: Path, force: bool, inputs: tuple[Path, ...] = ()) -> Iterato
     try:
         yield tmp
         _replace(tmp, out)
+    except OSError as e:  # disk full, permissions, a file vanishing under us: the environment, not a bug
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(created)
+        where = e.filename or out
+        raise UserError(f"{where}: {e.strerror or e}; nothing was written to {out} (free space or fix access)") from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         _remove_empty(created)

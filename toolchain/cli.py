@@ -101,7 +101,13 @@ def convert(
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (heads split over N GPUs).")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size (layers split in M stages).")] = 1,
     workers: Annotated[
-        int, typer.Option("--workers", min=1, max=64, help="Tensors prepared in parallel (memory: one tensor each).")
+        int,
+        typer.Option(
+            "--workers",
+            min=1,
+            max=64,
+            help="Threads preparing tensors ahead; the tensors in flight stay within the largest one.",
+        ),
     ] = 2,
     json_out: JsonOpt = False,
 ) -> None:

@@ -13,7 +13,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
 
 from toolchain.errors import UserError
 
@@ -34,6 +43,11 @@ class ModelSection(_Section):
 
 class ConvertSection(_Section):
     """How the checkpoint is split for multi-GPU engines (TensorRT-LLM's mapping)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data  # a `convert:` with every key commented out
 
     tp: StrictInt = Field(1, ge=1, description="Tensor-parallel size")
     pp: StrictInt = Field(1, ge=1, description="Pipeline-parallel size")

@@ -4,8 +4,9 @@ Everything that can be checked without reading tensor data is checked before any
 architecture, the config, the parallel split, that every tensor the family needs is present with the shape
 the config implies, and that no source tensor is left unconsumed. Then, per pipeline stage, each output
 tensor is read once, checked for NaN/Inf, fused, cast, split for every tensor-parallel rank and appended to
-that rank's file. Memory stays at the tensors in flight (`workers` of them), never the model; the files are
-byte-identical whatever the number of workers.
+that rank's file. Memory stays at the tensors in flight (prefetched ones within the largest tensor's bytes,
+plus the one being written and its split copies), never the model; the files are byte-identical whatever
+the number of workers.
 """
 
 from __future__ import annotations

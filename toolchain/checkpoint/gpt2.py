@@ -23,7 +23,9 @@ from toolchain.errors import UserError
 Shape = tuple[int, ...]
 # Causal-mask buffers some GPT-2 exports carry: not weights.
 DROPPED: tuple[re.Pattern[str], ...] = (re.compile(r"(transformer\.)?h\.\d+\.attn\.(masked_)?bias"),)
-ACTIVATIONS = ("gelu_new", "gelu", "gelu_pytorch_tanh", "relu")
+# HF's exact-erf "gelu" is not among them: TensorRT-LLM's gelu is the tanh approximation, so the engine would
+# compute another function than the model was trained with.
+ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "relu")
 
 # TRT-LLM layer name <- HF layer name, stored transposed (Conv1D).
 _LAYER: tuple[tuple[str, str, bool], ...] = (

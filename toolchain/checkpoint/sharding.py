@@ -10,8 +10,8 @@ _utils.py::pad_vocab_size):
   (attention.dense, mlp.proj) split on dim 1 and keep their bias whole; norms are replicated.
 - qkv splits q, k and v separately by heads and concatenates [q_r; k_r; v_r]. With fewer KV heads than
   ranks, each KV head is repeated tp/kv times so every rank holds exactly one (tp must be a multiple of kv).
-- lm_head (and the embedding, which we shard too: use_parallel_embedding, sharding dim 0) are zero-padded to
-  a vocabulary multiple of tp, then split on dim 0.
+- lm_head, the embedding (use_parallel_embedding, sharding dim 0) and GPT's position embedding are
+  zero-padded to a multiple of tp rows, then split on dim 0.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ LAST_STAGE = ("transformer.ln_f.", "lm_head.")
 
 # How a tensor is split follows from its TensorRT-LLM name alone: the name says which layer type holds it.
 _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
-    (re.compile(r"(transformer\.vocab_embedding|lm_head)\.weight"), "vocab"),
+    (re.compile(r"(transformer\.(vocab|position)_embedding|lm_head)\.weight"), "vocab"),
     (re.compile(r".*\.attention\.qkv\.(weight|bias)"), "qkv"),
     (re.compile(r".*\.(attention\.dense|mlp\.proj)\.weight"), "row"),
     (re.compile(r".*\.mlp\.(fc|gate)\.(weight|bias)"), "column"),
@@ -42,7 +42,8 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
 
 
 def split_of(name: str) -> Split:
-    """'replicate' for norms, row-parallel biases, position embeddings, qk-norms."""
+    """'replicate' for norms, row-parallel biases and qk-norms. GPT's learned position embedding is split like
+    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`)."""
     return next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
 
 
@@ -64,15 +65,24 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
     """Refuse splits TensorRT-LLM cannot run, naming the sizes that would work."""
     if tp < 1 or pp < 1:
         raise UserError(f"--tp and --pp must be at least 1 (got tp={tp}, pp={pp})")
-    valid = [n for n in range(1, cfg.num_attention_heads + 1) if _tp_ok(cfg, n)]
     if not _tp_ok(cfg, tp):
+        valid = [n for n in _divisors(cfg.num_attention_heads) if _tp_ok(cfg, n)]
         raise UserError(
-            f"{source}: --tp {tp} does not divide this model (num_attention_heads {cfg.num_attention_heads}, "
+            f"{source}: tensor-parallel size {tp} (--tp, convert.tp) does not divide this model "
+            f"(num_attention_heads {cfg.num_attention_heads}, "
             f"num_key_value_heads {cfg.num_key_value_heads}, intermediate_size {cfg.intermediate_size}); "
-            f"valid --tp: {', '.join(map(str, valid))}"
+            f"valid: {', '.join(map(str, valid))}"
         )
     if pp > cfg.num_hidden_layers:
-        raise UserError(f"{source}: --pp {pp} exceeds num_hidden_layers {cfg.num_hidden_layers}; use at most that")
+        raise UserError(
+            f"{source}: pipeline-parallel size {pp} (--pp, convert.pp) exceeds num_hidden_layers "
+            f"{cfg.num_hidden_layers}; use at most that"
+        )
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def _tp_ok(cfg: ModelConfig, tp: int) -> bool:

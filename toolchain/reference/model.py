@@ -22,11 +22,12 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-# hidden_act values as TensorRT-LLM names them; "gelu_new"/"gelu_pytorch_tanh" are the tanh approximation.
+# hidden_act values with TensorRT-LLM's meaning: its `gelu` (tensorrt_llm/functional.py) is the tanh
+# approximation, the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swiglu": F.silu,
-    "gelu": F.gelu,
+    "gelu": _gelu_tanh,
     "gelu_new": _gelu_tanh,
     "gelu_pytorch_tanh": _gelu_tanh,
     "relu": F.relu,
@@ -43,7 +44,13 @@ class ReferenceModel:
 
     @classmethod
     def from_checkpoint(cls, directory: Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
-        return cls(read_config(directory), load_rank(directory, 0), dtype)
+        """The whole model; a multi-rank (TP/PP) checkpoint is merged back first."""
+        config = read_config(directory)
+        if config.mapping.world_size == 1:
+            return cls(config, load_rank(directory, 0), dtype)
+        from toolchain.reference.parallel import merge_ranks  # parallel builds on this module
+
+        return cls(config, merge_ranks(directory), dtype)
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
         return F.linear(x, self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias"))

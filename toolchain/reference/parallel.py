@@ -39,8 +39,20 @@ def merge_ranks(directory: Path) -> dict[str, torch.Tensor]:
             parts = [ranks[cfg.mapping.rank(t, p)][name] for t in range(tp)]
             match = _LAYER.fullmatch(name)
             full = f"transformer.layers.{int(match.group(1)) + layers.start}.{match.group(2)}" if match else name
-            merged[full] = unshard(parts, split_of(name), cfg, cfg.vocab_size)
+            rows = cfg.max_position_embeddings if "position_embedding" in name else cfg.vocab_size
+            merged[full] = unshard(parts, split_of(name), cfg, rows)
     return merged
+
+
+def _lookup(models: list[ReferenceModel], name: str, ids: torch.Tensor, rows: int, tp: int) -> torch.Tensor:
+    """A vocab-parallel embedding: each rank looks up the ids in its row range, the results are summed."""
+    per_rank = padded_vocab(rows, tp) // tp
+    parts = [
+        F.embedding((ids - t * per_rank).clamp(0, per_rank - 1), m.w[name])
+        * ((ids >= t * per_rank) & (ids < (t + 1) * per_rank))[..., None]
+        for t, m in enumerate(models)
+    ]
+    return torch.stack(parts).sum(0)
 
 
 def tp_logits(directory: Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -57,17 +69,11 @@ def tp_logits(directory: Path, input_ids: torch.Tensor, dtype: torch.dtype = tor
     models = [ReferenceModel(local, {k: v for k, v in w.items() if not k.endswith(_ROW_BIASES)}, dtype) for w in ranks]
     w0 = {k: v.to(dtype) for k, v in ranks[0].items()}
     ids = input_ids if input_ids.dim() == 2 else input_ids[None]
-    rows = padded_vocab(cfg.vocab_size, tp) // tp
-    h = sum(
-        F.embedding((ids - t * rows).clamp(0, rows - 1), m.w["transformer.vocab_embedding.weight"])
-        * ((ids >= t * rows) & (ids < (t + 1) * rows))[..., None]
-        for t, m in enumerate(models)
-    )
-    assert isinstance(h, torch.Tensor)
+    h = _lookup(models, "transformer.vocab_embedding.weight", ids, cfg.vocab_size, tp)
     positions = torch.arange(ids.shape[1])
     rope = None
     if cfg.position_embedding_type == "learned_absolute":
-        h = h + w0["transformer.position_embedding.weight"][positions]
+        h = h + _lookup(models, "transformer.position_embedding.weight", positions, cfg.max_position_embeddings, tp)
     else:
         rope = cos_sin(positions, cfg.head_size, cfg.rotary_base, cfg.rotary_scaling, dtype)
     lead = models[0]
