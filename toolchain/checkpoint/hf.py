@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import re
-from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,9 +154,6 @@ class TensorReader:
 
     def file_of(self, name: str) -> Path:
         return self._ckpt.files[name]
-
-    def names(self) -> Iterator[str]:
-        return iter(self._ckpt.tensors)
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
