@@ -131,6 +131,71 @@ def convert(
     )
 
 
+class Method(str, Enum):
+    w8a16 = "w8a16"
+    w4a16 = "w4a16"
+    fp8 = "fp8"
+
+
+class KvCache(str, Enum):
+    none = "none"
+    int8 = "int8"
+    fp8 = "fp8"
+
+
+@app.command(
+    epilog="Example: `trtbuild quantize ./ckpt -o ./ckpt-fp8 --method fp8 --kv-cache fp8 "
+    "--calib-data ../shared/data/wikitext-2/valid.txt --eval-data ../shared/data/wikitext-2/test.txt`"
+)
+def quantize(
+    checkpoint: Annotated[Path, typer.Argument(help="A converted (tp=1) checkpoint directory.")],
+    output: OutputOpt,
+    method: Annotated[Method, typer.Option(help="w8a16: int8 per channel; w4a16: int4 per group; fp8: E4M3.")],
+    kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache.none,
+    group_size: Annotated[int, typer.Option("--group-size", help="w4a16 group size: 32, 64 or 128.")] = 128,
+    calib_data: Annotated[
+        Path | None, typer.Option("--calib-data", help="Calibration text (.txt or .jsonl {'text'}); fp8 and KV.")
+    ] = None,
+    calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows.")] = 64,
+    calib_seq_len: Annotated[int, typer.Option("--calib-seq-len", min=2, help="Tokens per window.")] = 256,
+    seed: Annotated[int, typer.Option(min=0, help="Seed choosing the calibration windows.")] = 0,
+    exclude: Annotated[
+        list[str] | None, typer.Option("--exclude", help="Module glob left unquantized (repeatable); default lm_head.")
+    ] = None,
+    eval_data: Annotated[
+        Path | None, typer.Option("--eval-data", help="Text to measure the quality cost on (KLD, PPL ratio, top-1).")
+    ] = None,
+    eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=2, help="Tokens of --eval-data to score.")] = 50_000,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Quantize a checkpoint (weights; FP8 activations and the KV cache from calibration) and report the cost."""
+    from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
+
+    with _handled():
+        opts = QuantizeOptions(
+            method.value,
+            kv_cache.value,
+            group_size,
+            calib_data,
+            calib_samples,
+            calib_seq_len,
+            seed,
+            tuple(exclude) if exclude else ("lm_head",),
+        )
+        r = quantize_checkpoint(checkpoint, output, opts, eval_data, eval_tokens, force)
+    lines = [
+        f"quantized -> {r['output_dir']}",
+        f"  {r['quant_algo']} (group {r['group_size']}), kv cache {r['kv_cache_quant_algo'] or 'unquantized'}, "
+        f"{r['quantized_modules']} modules, {r['wall_time_s']:.2f} s",
+    ]
+    if r["quality"]:
+        from toolchain.evaluate.quality import QualityReport
+
+        lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
+    _emit(r, json_out, lines)
+
+
 @app.command(epilog="Example: `trtbuild inspect ./ckpt --json`")
 def inspect(
     directory: Annotated[Path, typer.Argument(help="A checkpoint (later: engine) or run output directory.")],

@@ -34,6 +34,16 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+class Hooks:
+    """Points where calibration observes and fake quantization intervenes; the identity by default."""
+
+    def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return k, v
+
+
 class ReferenceModel:
     """A decoder-only transformer evaluated straight from TensorRT-LLM tensor names."""
 
@@ -41,6 +51,7 @@ class ReferenceModel:
         self.config = config
         self.dtype = dtype
         self.w = {name: t.to(dtype) for name, t in weights.items()}
+        self.hooks = Hooks()
 
     @classmethod
     def from_checkpoint(cls, directory: Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
@@ -53,6 +64,7 @@ class ReferenceModel:
         return cls(config, merge_ranks(directory), dtype)
 
     def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+        x = self.hooks.linear_input(prefix, x)
         return F.linear(x, self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias"))
 
     def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
@@ -87,6 +99,7 @@ class ReferenceModel:
         v = v.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        k, v = self.hooks.kv_cache(layer, k, v)  # what the KV cache stores: k after rotary, v
         group = c.num_attention_heads // c.num_key_value_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = (q @ k.transpose(-1, -2)) / (c.head_size**0.5)

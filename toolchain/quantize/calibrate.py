@@ -1,0 +1,58 @@
+"""Calibration: run sample windows of text through the reference forward and record, per linear layer, the
+largest |input| (for activation scales), and per attention layer the largest |k| and |v| as the KV cache
+stores them (after rotary). Only running maxima are kept, never activations."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from toolchain.errors import UserError
+from toolchain.reference.model import Hooks, ReferenceModel
+
+
+@dataclass
+class Calibration:
+    input_amax: dict[str, float] = field(default_factory=dict)  # linear prefix -> max |x|
+    kv_amax: dict[str, float] = field(default_factory=dict)  # layer prefix -> max(|k|, |v|)
+
+
+class _Observer(Hooks):
+    def __init__(self, calibration: Calibration) -> None:
+        self.calibration = calibration
+
+    def _record(self, table: dict[str, float], name: str, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            if not torch.isfinite(tensor).all():
+                raise UserError(f"calibration: NaN/Inf in the activations at {name}; check that layer's weights")
+            table[name] = max(table.get(name, 0.0), tensor.abs().max().item())
+
+    def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        self._record(self.calibration.input_amax, prefix, x)
+        return x
+
+    def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self._record(self.calibration.kv_amax, layer, k, v)
+        return k, v
+
+
+def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:
+    """`samples` non-overlapping windows of `seq_len` tokens, chosen by `seed`: [samples, seq_len]."""
+    count = tokens.numel() // seq_len
+    if count < 1:
+        raise UserError(f"calibration text has {tokens.numel()} tokens, fewer than one sample of {seq_len}")
+    order = torch.randperm(count, generator=torch.Generator().manual_seed(seed))[: min(samples, count)]
+    windows = tokens[: count * seq_len].view(count, seq_len)
+    return windows[order.sort().values]
+
+
+def calibrate(model: ReferenceModel, windows: torch.Tensor, batch: int = 8) -> Calibration:
+    calibration = Calibration()
+    model.hooks = _Observer(calibration)
+    try:
+        for start in range(0, windows.shape[0], batch):
+            model.forward(windows[start : start + batch])
+    finally:
+        model.hooks = Hooks()
+    return calibration

@@ -1,0 +1,58 @@
+"""The reference forward of a quantized checkpoint: weights dequantized, and what the engine quantizes at run
+time — FP8 activations at each linear's input, the KV cache — quantized and dequantized in place (fake
+quantization), so the reference computes what the engine will compute, up to accumulation order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from toolchain.checkpoint.trtllm import load_rank, read_config
+from toolchain.quantize.core import FP8_E4M3_MAX
+from toolchain.quantize.scheme import KV_MAXBOUND, dequantize
+from toolchain.reference.model import Hooks, ReferenceModel
+
+
+def fake_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    if kind == "FP8":
+        return (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    return torch.round(x / scale).clamp(-128, 127) * scale  # INT8
+
+
+class FakeQuant(Hooks):
+    def __init__(self, activation_scales: dict[str, float], kv_scales: dict[str, float], kv_kind: str | None):
+        self.activation_scales, self.kv_scales, self.kv_kind = activation_scales, kv_scales, kv_kind
+
+    def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        scale = self.activation_scales.get(prefix)
+        return x if scale is None else fake_quant(x, scale, "FP8")
+
+    def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kv_kind is None:
+            return k, v
+        scale = self.kv_scales[layer]
+        return fake_quant(k, scale, self.kv_kind), fake_quant(v, scale, self.kv_kind)
+
+
+def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
+    cfg = read_config(directory)
+    raw = load_rank(directory, 0)
+    weights: dict[str, torch.Tensor] = {}
+    activation: dict[str, float] = {}
+    kv: dict[str, float] = {}
+    for name, tensor in raw.items():
+        if name.endswith(".weights_scaling_factor"):
+            prefix = name.removesuffix(".weights_scaling_factor")
+            weights[f"{prefix}.weight"] = dequantize(cfg, raw, prefix)
+        elif name.endswith(".activation_scaling_factor"):
+            activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
+        elif name.endswith(".attention.kv_cache_scaling_factor"):
+            kv[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
+        elif name.removesuffix(".weight") + ".weights_scaling_factor" not in raw:
+            weights[name] = tensor
+    model = ReferenceModel(cfg, weights, dtype)
+    kind = cfg.quantization.kv_cache_quant_algo
+    assert kind is None or kind in KV_MAXBOUND
+    model.hooks = FakeQuant(activation, kv, kind)
+    return model

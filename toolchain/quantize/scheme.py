@@ -1,0 +1,66 @@
+"""Which modules a quantized checkpoint quantizes, and how their tensors are named, shaped and read back.
+
+Layout (docs/quantization.md; facts in docs/research/trtllm-quantized-layouts.md), per quantized linear PREFIX:
+- W8A16: PREFIX.weight int8 [out, in]; PREFIX.weights_scaling_factor float32 [out] (per output channel).
+- W4A16: PREFIX.weight int8 [out/2, in'] — int4 codes packed two output rows per byte, row 2j in the low nibble —
+  and PREFIX.weights_scaling_factor float32 [out, in'/group]; in' = in rounded up to a multiple of the group, the
+  extra input channels zero (exact for any input, since they multiply zeros).
+- FP8: PREFIX.weight float8_e4m3fn [out, in]; PREFIX.weights_scaling_factor and PREFIX.activation_scaling_factor
+  float32 [1].
+- KV cache (INT8 / FP8): LAYER.attention.kv_cache_scaling_factor float32 [1].
+Every scale is a dequantization factor: value = code * scale.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+
+import torch
+
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, unpack_int4
+
+METHODS = {"w8a16": "W8A16", "w4a16": "W4A16", "fp8": "FP8"}
+KV_CACHE = {"none": None, "int8": "INT8", "fp8": "FP8"}
+KV_MAXBOUND = {"INT8": 127.0, "FP8": FP8_E4M3_MAX}
+GROUP_SIZES = (32, 64, 128)
+DEFAULT_EXCLUDE = ("lm_head",)
+_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
+_LAYER = re.compile(r"(transformer\.layers\.\d+)\.")
+
+
+def quantizable(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Linear-layer prefixes that may be quantized: every layer's linears, and lm_head."""
+    prefixes = [n.removesuffix(".weight") for n in weights if n.endswith(tuple(f"{m}.weight" for m in _LINEARS))]
+    return sorted(prefixes) + (["lm_head"] if "lm_head.weight" in weights else [])
+
+
+def excluded(prefix: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(prefix, p) or fnmatch.fnmatchcase(prefix, f"*{p}") for p in patterns)
+
+
+def in_features(cfg: ModelConfig, prefix: str) -> int:
+    if prefix.endswith("attention.dense"):
+        return cfg.num_attention_heads * cfg.head_size
+    if prefix.endswith("mlp.proj"):
+        return cfg.intermediate_size
+    return cfg.hidden_size
+
+
+def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The float weight [out, in] a quantized PREFIX stands for."""
+    algo = cfg.quantization.quant_algo
+    codes, scale = weights[f"{prefix}.weight"], weights[f"{prefix}.weights_scaling_factor"].float()
+    if algo == "W8A16":
+        return codes.float() * scale[:, None]
+    if algo == "W4A16":
+        return dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
+    if algo == "FP8":
+        return codes.float() * scale
+    raise AssertionError(f"unknown quant_algo {algo}")
+
+
+def layer_of(prefix: str) -> str | None:
+    match = _LAYER.match(prefix)
+    return match.group(1) if match else None

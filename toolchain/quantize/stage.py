@@ -1,0 +1,190 @@
+"""`trtbuild quantize`: a TensorRT-LLM checkpoint -> a quantized one, plus (optionally) its quality report.
+
+Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); FP8 activation and
+KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from toolchain import console
+from toolchain.atomic import atomic_dir
+from toolchain.checkpoint.hf import TOKENIZER_FILES
+from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo
+from toolchain.checkpoint.trtllm import CONFIG_NAME, QuantConfig, load_rank, rank_file, read_config, write_config
+from toolchain.errors import UserError
+from toolchain.evaluate.quality import QualityReport, compare
+from toolchain.evaluate.text import tokenize
+from toolchain.manifest import StageRecord, sha256_file
+from toolchain.quantize.calibrate import Calibration, calibrate, sample_windows
+from toolchain.quantize.core import (
+    FP8_E4M3_MAX,
+    pack_int4,
+    quantize_fp8,
+    quantize_groupwise,
+    quantize_per_channel,
+)
+from toolchain.quantize.fake import load_quantized
+from toolchain.quantize.scheme import (
+    DEFAULT_EXCLUDE,
+    GROUP_SIZES,
+    KV_CACHE,
+    KV_MAXBOUND,
+    METHODS,
+    excluded,
+    quantizable,
+)
+from toolchain.reference.model import ReferenceModel
+
+
+@dataclass(frozen=True)
+class QuantizeOptions:
+    method: str
+    kv_cache: str = "none"
+    group_size: int = 128
+    calib_data: Path | None = None
+    calib_samples: int = 64
+    calib_seq_len: int = 256
+    seed: int = 0
+    exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"method {self.method!r} is not supported; choose one of {', '.join(METHODS)}")
+        if self.kv_cache not in KV_CACHE:
+            raise UserError(f"kv cache {self.kv_cache!r} is not supported; choose one of {', '.join(KV_CACHE)}")
+        if self.group_size not in GROUP_SIZES:
+            raise UserError(f"group size {self.group_size} is not supported; choose one of {GROUP_SIZES}")
+        if self.calib_samples < 1 or self.calib_seq_len < 2:
+            raise UserError("calibration needs at least 1 sample of at least 2 tokens")
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method == "fp8" or self.kv_cache != "none"
+
+
+def _quantize_linear(
+    opts: QuantizeOptions, prefix: str, weight: torch.Tensor, calib: Calibration
+) -> dict[str, torch.Tensor]:
+    if opts.method == "w8a16":
+        codes, scale = quantize_per_channel(weight)
+        return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
+    if opts.method == "w4a16":
+        if weight.shape[0] % 2:
+            raise UserError(f"{prefix}: {weight.shape[0]} output channels; int4 packing needs an even number")
+        pad = -weight.shape[1] % opts.group_size  # zero input channels: exact whatever the input
+        codes, scale = quantize_groupwise(F.pad(weight.float(), (0, pad)), opts.group_size)
+        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale}
+    codes, scale = quantize_fp8(weight)
+    act = calib.input_amax[prefix] / FP8_E4M3_MAX
+    return {
+        f"{prefix}.weight": codes,
+        f"{prefix}.weights_scaling_factor": scale,
+        f"{prefix}.activation_scaling_factor": torch.tensor([act if act > 0 else 1.0], dtype=torch.float32),
+    }
+
+
+def _calibration(source: Path, opts: QuantizeOptions, model: ReferenceModel) -> tuple[Calibration, dict[str, Any]]:
+    if not opts.needs_calibration:
+        return Calibration(), {}
+    if opts.calib_data is None:
+        raise UserError(
+            f"--method {opts.method} / --kv-cache {opts.kv_cache} needs calibration text: pass --calib-data"
+        )
+    tokens = tokenize(opts.calib_data, source)
+    windows = sample_windows(tokens, opts.calib_samples, opts.calib_seq_len, opts.seed)
+    console.info(f"calibrating on {windows.shape[0]} samples x {opts.calib_seq_len} tokens from {opts.calib_data}")
+    info = {
+        "file": str(opts.calib_data.resolve()),
+        "sha256": sha256_file(opts.calib_data),
+        "samples": windows.shape[0],
+        "seq_len": opts.calib_seq_len,
+        "seed": opts.seed,
+    }
+    return calibrate(model, windows), info
+
+
+def quantize_checkpoint(
+    source: Path,
+    out_dir: Path,
+    opts: QuantizeOptions,
+    eval_data: Path | None = None,
+    eval_tokens: int = 50_000,
+    force: bool = False,
+    record: StageRecord | None = None,
+) -> dict[str, Any]:
+    cfg = read_config(source)
+    if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
+        raise UserError(f"{source} is already quantized ({cfg.quantization.quant_algo}); quantize the unquantized one")
+    if cfg.mapping.world_size != 1:
+        raise UserError(f"{source} has {cfg.mapping.world_size} ranks; quantize a tp=1 pp=1 checkpoint")
+    weights = load_rank(source, 0)
+    model = ReferenceModel(cfg, weights)
+    calib, calib_info = _calibration(source, opts, model)
+    out: dict[str, torch.Tensor] = dict(weights)
+    chosen = [p for p in quantizable(weights) if not excluded(p, opts.exclude)]
+    for prefix in chosen:
+        out.update(_quantize_linear(opts, prefix, weights[f"{prefix}.weight"], calib))
+    kv_algo = KV_CACHE[opts.kv_cache]
+    if kv_algo:
+        for layer, amax in calib.kv_amax.items():
+            scale = amax / KV_MAXBOUND[kv_algo]
+            out[f"{layer}.attention.kv_cache_scaling_factor"] = torch.tensor([scale if scale > 0 else 1.0])
+    quant = QuantConfig(
+        quant_algo=METHODS[opts.method],
+        kv_cache_quant_algo=kv_algo,
+        group_size=opts.group_size,
+        exclude_modules=sorted(set(quantizable(weights)) - set(chosen) | {"transformer.vocab_embedding"}),
+    )
+    qcfg = dataclasses.replace(cfg, quantization=quant)
+    record = record or StageRecord("quantize")
+    record.details.update(
+        method=opts.method,
+        quant_algo=quant.quant_algo,
+        kv_cache_quant_algo=kv_algo,
+        group_size=opts.group_size,
+        quantized_modules=len(chosen),
+        calibration=calib_info or None,
+    )
+    with atomic_dir(out_dir, force, inputs=(source,)) as tmp:
+        record.add_inputs(source, [source / CONFIG_NAME, source / rank_file(0)])
+        write_config(tmp, qcfg)
+        infos = [TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in sorted(out.items())]
+        with SafetensorsWriter(tmp / rank_file(0), infos, {"format": "pt"}) as writer:
+            for name, tensor in sorted(out.items()):
+                writer.write(name, tensor.contiguous())
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copyfile(source / name, tmp / name)
+        report = _quality(source, tmp, model, eval_data, eval_tokens) if eval_data else None
+        if report:
+            record.details["quality"] = report.to_dict()
+        manifest = record.write(tmp)
+    return {
+        "output_dir": str(out_dir.resolve()),
+        "quant_algo": quant.quant_algo,
+        "kv_cache_quant_algo": kv_algo,
+        "group_size": opts.group_size,
+        "quantized_modules": len(chosen),
+        "calibration": calib_info or None,
+        "quality": report.to_dict() if report else None,
+        "outputs": manifest["outputs"],
+        "wall_time_s": manifest["wall_time_s"],
+    }
+
+
+def _quality(source: Path, quantized: Path, base: ReferenceModel, eval_data: Path, limit: int) -> QualityReport:
+    tokens = tokenize(eval_data, source, max_tokens=limit)
+    window = min(256, base.config.max_position_embeddings)
+    if tokens.numel() < window:
+        raise UserError(f"{eval_data}: {tokens.numel()} tokens, fewer than one evaluation window of {window}")
+    console.info(f"evaluating on {tokens.numel():,} tokens of {eval_data}")
+    return compare(base.forward, load_quantized(quantized).forward, tokens, window)
