@@ -24,6 +24,9 @@ CONFIGS = [
     ("w4a16", 32, "none"),
     ("w4a16", 64, "none"),
     ("w4a16", 128, "none"),
+    ("w4a16_awq", 32, "none"),
+    ("w4a16_awq", 64, "none"),
+    ("w4a16_awq", 128, "none"),
     ("fp8", 128, "none"),
     ("w8a16", 128, "int8"),
     ("w8a16", 128, "fp8"),
@@ -51,7 +54,7 @@ def main() -> None:
             rows.append(
                 {
                     "method": method,
-                    "group": group if method == "w4a16" else None,
+                    "group": group if method.startswith("w4a16") else None,
                     "kv_cache": kv,
                     "seconds": time.perf_counter() - start,
                     **r["quality"],

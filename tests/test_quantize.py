@@ -142,3 +142,27 @@ def test_unquantized_reference_is_untouched_by_hooks(stories_ckpt: Path) -> None
     model = ReferenceModel.from_checkpoint(stories_ckpt)
     ids = torch.arange(16)[None]
     assert torch.equal(model.forward(ids), ReferenceModel.from_checkpoint(stories_ckpt).forward(ids))
+
+
+def test_awq_search_never_loses_to_round_to_nearest() -> None:
+    from toolchain.quantize.awq import search_scales
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 64, generator=g)
+    inputs = torch.randn(256, 64, generator=g) * torch.logspace(-1, 1, 64)  # a few loud input channels
+    s, alpha, ratio = search_scales(weight, inputs, inputs.abs().mean(0), 32)
+    assert s.shape == (64,) and 0 <= alpha < 1 and ratio <= 1
+    assert ratio < 0.9  # with loud channels, scaling them is worth it
+
+
+def test_awq_beats_rtn_on_stories260k(stories_ckpt: Path, tmp_path: Path) -> None:
+    reports = {}
+    for method in ("w4a16", "w4a16_awq"):
+        opts = QuantizeOptions(method, group_size=64, calib_data=WIKI / "valid.txt", calib_samples=64)
+        r = quantize_checkpoint(stories_ckpt, tmp_path / method, opts, WIKI / "test.txt", eval_tokens=8192)
+        reports[method] = r["quality"]
+    assert reports["w4a16_awq"]["kld_mean"] < reports["w4a16"]["kld_mean"]
+    assert reports["w4a16_awq"]["ppl_ratio"] < reports["w4a16"]["ppl_ratio"]
+    w = load_file(str(tmp_path / "w4a16_awq" / "rank0.safetensors"))
+    assert w["transformer.layers.0.mlp.proj.prequant_scaling_factor"].shape == (172,)
+    assert read_config(tmp_path / "w4a16_awq").quantization.pre_quant_scale

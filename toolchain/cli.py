@@ -134,6 +134,7 @@ def convert(
 class Method(str, Enum):
     w8a16 = "w8a16"
     w4a16 = "w4a16"
+    w4a16_awq = "w4a16_awq"
     fp8 = "fp8"
 
 
@@ -150,7 +151,12 @@ class KvCache(str, Enum):
 def quantize(
     checkpoint: Annotated[Path, typer.Argument(help="A converted (tp=1) checkpoint directory.")],
     output: OutputOpt,
-    method: Annotated[Method, typer.Option(help="w8a16: int8 per channel; w4a16: int4 per group; fp8: E4M3.")],
+    method: Annotated[
+        Method,
+        typer.Option(
+            help="w8a16: int8 per channel; w4a16: int4 per group; w4a16_awq: int4 with AWQ scales; fp8: E4M3."
+        ),
+    ],
     kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache.none,
     group_size: Annotated[int, typer.Option("--group-size", help="w4a16 group size: 32, 64 or 128.")] = 128,
     calib_data: Annotated[

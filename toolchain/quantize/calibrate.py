@@ -11,11 +11,19 @@ import torch
 from toolchain.errors import UserError
 from toolchain.reference.model import Hooks, ReferenceModel
 
+SAMPLE_ROWS = 512  # input rows kept per linear for AWQ's search: bounded, whatever the calibration size
+
 
 @dataclass
 class Calibration:
     input_amax: dict[str, float] = field(default_factory=dict)  # linear prefix -> max |x|
     kv_amax: dict[str, float] = field(default_factory=dict)  # layer prefix -> max(|k|, |v|)
+    input_abs_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> sum over tokens of |x_c|
+    tokens: dict[str, int] = field(default_factory=dict)
+    input_sample: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> up to SAMPLE_ROWS rows of x
+
+    def mean_abs(self, prefix: str) -> torch.Tensor:
+        return self.input_abs_sum[prefix] / self.tokens[prefix]
 
 
 class _Observer(Hooks):
@@ -29,7 +37,15 @@ class _Observer(Hooks):
             table[name] = max(table.get(name, 0.0), tensor.abs().max().item())
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
-        self._record(self.calibration.input_amax, prefix, x)
+        c = self.calibration
+        self._record(c.input_amax, prefix, x)
+        rows = x.reshape(-1, x.shape[-1]).double()
+        c.input_abs_sum[prefix] = c.input_abs_sum.get(prefix, 0) + rows.abs().sum(0)
+        c.tokens[prefix] = c.tokens.get(prefix, 0) + rows.shape[0]
+        kept = c.input_sample.get(prefix, rows[:0])
+        if kept.shape[0] < SAMPLE_ROWS:  # a strided pick across each batch, not just its first rows
+            step = max(rows.shape[0] // 64, 1)
+            c.input_sample[prefix] = torch.cat([kept, rows[::step][: SAMPLE_ROWS - kept.shape[0]]])
         return x
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

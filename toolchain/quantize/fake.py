@@ -49,6 +49,8 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
             activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
         elif name.endswith(".attention.kv_cache_scaling_factor"):
             kv[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
+        elif name.endswith(".prequant_scaling_factor"):
+            continue  # folded into the dequantized weight
         elif name.removesuffix(".weight") + ".weights_scaling_factor" not in raw:
             weights[name] = tensor
     model = ReferenceModel(cfg, weights, dtype)

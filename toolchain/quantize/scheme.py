@@ -5,6 +5,8 @@ Layout (docs/quantization.md; facts in docs/research/trtllm-quantized-layouts.md
 - W4A16: PREFIX.weight int8 [out/2, in'] — int4 codes packed two output rows per byte, row 2j in the low nibble —
   and PREFIX.weights_scaling_factor float32 [out, in'/group]; in' = in rounded up to a multiple of the group, the
   extra input channels zero (exact for any input, since they multiply zeros).
+- W4A16_AWQ: as W4A16, of the weight scaled per input channel by AWQ's s, plus PREFIX.prequant_scaling_factor
+  [in] = 1/s in the model dtype, which multiplies the input at run time.
 - FP8: PREFIX.weight float8_e4m3fn [out, in]; PREFIX.weights_scaling_factor and PREFIX.activation_scaling_factor
   float32 [1].
 - KV cache (INT8 / FP8): LAYER.attention.kv_cache_scaling_factor float32 [1].
@@ -21,7 +23,7 @@ import torch
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, unpack_int4
 
-METHODS = {"w8a16": "W8A16", "w4a16": "W4A16", "fp8": "FP8"}
+METHODS = {"w8a16": "W8A16", "w4a16": "W4A16", "w4a16_awq": "W4A16_AWQ", "fp8": "FP8"}
 KV_CACHE = {"none": None, "int8": "INT8", "fp8": "FP8"}
 KV_MAXBOUND = {"INT8": 127.0, "FP8": FP8_E4M3_MAX}
 GROUP_SIZES = (32, 64, 128)
@@ -45,7 +47,7 @@ def in_features(cfg: ModelConfig, prefix: str) -> int:
         return cfg.num_attention_heads * cfg.head_size
     if prefix.endswith("mlp.proj"):
         return cfg.intermediate_size
-    return cfg.hidden_size
+    return cfg.hidden_size  # qkv, fc, gate, lm_head
 
 
 def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
@@ -54,8 +56,11 @@ def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) 
     codes, scale = weights[f"{prefix}.weight"], weights[f"{prefix}.weights_scaling_factor"].float()
     if algo == "W8A16":
         return codes.float() * scale[:, None]
-    if algo == "W4A16":
-        return dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
+    if algo in ("W4A16", "W4A16_AWQ"):
+        weight = dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
+        if algo == "W4A16_AWQ":  # the runtime multiplies the input by prequant; fold it into the weight
+            weight = weight * weights[f"{prefix}.prequant_scaling_factor"].float()[None, :]
+        return weight
     if algo == "FP8":
         return codes.float() * scale
     raise AssertionError(f"unknown quant_algo {algo}")

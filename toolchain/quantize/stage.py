@@ -24,6 +24,7 @@ from toolchain.errors import UserError
 from toolchain.evaluate.quality import QualityReport, compare
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
+from toolchain.quantize.awq import search_scales
 from toolchain.quantize.calibrate import Calibration, calibrate, sample_windows
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
@@ -68,21 +69,26 @@ class QuantizeOptions:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method == "fp8" or self.kv_cache != "none"
+        return self.method in ("fp8", "w4a16_awq") or self.kv_cache != "none"
 
 
 def _quantize_linear(
-    opts: QuantizeOptions, prefix: str, weight: torch.Tensor, calib: Calibration
+    opts: QuantizeOptions, prefix: str, weight: torch.Tensor, calib: Calibration, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
     if opts.method == "w8a16":
         codes, scale = quantize_per_channel(weight)
         return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
-    if opts.method == "w4a16":
+    if opts.method in ("w4a16", "w4a16_awq"):
         if weight.shape[0] % 2:
             raise UserError(f"{prefix}: {weight.shape[0]} output channels; int4 packing needs an even number")
+        extra: dict[str, torch.Tensor] = {}
+        if opts.method == "w4a16_awq":
+            s, _, _ = search_scales(weight, calib.input_sample[prefix], calib.mean_abs(prefix), opts.group_size)
+            weight = weight.double() * s
+            extra[f"{prefix}.prequant_scaling_factor"] = (1 / s).to(dtype)
         pad = -weight.shape[1] % opts.group_size  # zero input channels: exact whatever the input
         codes, scale = quantize_groupwise(F.pad(weight.float(), (0, pad)), opts.group_size)
-        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale}
+        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale, **extra}
     codes, scale = quantize_fp8(weight)
     act = calib.input_amax[prefix] / FP8_E4M3_MAX
     return {
@@ -132,7 +138,7 @@ def quantize_checkpoint(
     out: dict[str, torch.Tensor] = dict(weights)
     chosen = [p for p in quantizable(weights) if not excluded(p, opts.exclude)]
     for prefix in chosen:
-        out.update(_quantize_linear(opts, prefix, weights[f"{prefix}.weight"], calib))
+        out.update(_quantize_linear(opts, prefix, weights[f"{prefix}.weight"], calib, cfg.torch_dtype))
     kv_algo = KV_CACHE[opts.kv_cache]
     if kv_algo:
         for layer, amax in calib.kv_amax.items():
@@ -142,6 +148,7 @@ def quantize_checkpoint(
         quant_algo=METHODS[opts.method],
         kv_cache_quant_algo=kv_algo,
         group_size=opts.group_size,
+        pre_quant_scale=opts.method == "w4a16_awq",
         exclude_modules=sorted(set(quantizable(weights)) - set(chosen) | {"transformer.vocab_embedding"}),
     )
     qcfg = dataclasses.replace(cfg, quantization=quant)

@@ -132,4 +132,4 @@ class ReferenceModel:
             h = h + self._attention(self._norm(h, f"{layer}.input_layernorm"), layer, rope)
             h = h + self._mlp(self._norm(h, f"{layer}.post_layernorm"), layer)
         h = self._norm(h, "transformer.ln_f")
-        return F.linear(h, self.w["lm_head.weight"])
+        return self._linear(h, "lm_head")
