@@ -11,7 +11,7 @@ import torch
 from toolchain.errors import UserError
 from toolchain.reference.model import Hooks, ReferenceModel
 
-SAMPLE_ROWS = 512  # input rows kept per linear for AWQ's search: bounded, whatever the calibration size
+SAMPLE_ROWS = 2048  # input rows kept per linear for AWQ's search: bounded, whatever the calibration size
 
 
 @dataclass
@@ -44,7 +44,7 @@ class _Observer(Hooks):
         c.tokens[prefix] = c.tokens.get(prefix, 0) + rows.shape[0]
         kept = c.input_sample.get(prefix, rows[:0])
         if kept.shape[0] < SAMPLE_ROWS:  # a strided pick across each batch, not just its first rows
-            step = max(rows.shape[0] // 64, 1)
+            step = max(rows.shape[0] // 256, 1)
             c.input_sample[prefix] = torch.cat([kept, rows[::step][: SAMPLE_ROWS - kept.shape[0]]])
         return x
 
