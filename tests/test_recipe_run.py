@@ -83,9 +83,9 @@ def test_missing_recipe_and_missing_output(cli: Any, tmp_path: Path, make_llama:
 
 
 def test_reserved_section_is_refused_not_ignored(cli: Any, tmp_path: Path, make_llama: Any) -> None:
-    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nquantize: {{}}\n")
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nbuild: {{}}\n")
     line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
-    assert "'quantize'" in line and "remove it" in line
+    assert "'build'" in line and "remove it" in line
     assert not (tmp_path / "o").exists()
 
 
@@ -114,3 +114,24 @@ def test_recipe_convert_section_splits_the_checkpoint(cli: Any, make_llama: Any,
 def test_empty_convert_section_means_defaults(cli: Any, make_llama: Any, tmp_path: Path) -> None:
     recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nconvert:\n  # tp: 2\n")
     assert cli("run", recipe, "-o", tmp_path / "o").exit_code == 0
+
+
+def test_recipe_quantize_stage(cli: Any, stories: Path, tmp_path: Path) -> None:
+    wiki = stories.parents[1] / "wikitext-2"
+    (tmp_path / "data").symlink_to(wiki)  # relative calibration path, resolved against the recipe
+    text = f"seed: 3\nmodel:\n  path: {stories}\nquantize:\n  method: fp8\n  kv_cache: int8\n"
+    text += "  calib_data: data/valid.txt\n  calib_samples: 4\n  calib_seq_len: 64\n"
+    text += "  eval_data: data/test.txt\n  eval_tokens: 1024\n"
+    recipe = write_recipe(tmp_path / "r.yaml", text)
+    result = cli("run", recipe, "-o", tmp_path / "o", "--json")
+    assert result.exit_code == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert list(summary["stages"]) == ["convert", "quantize"]
+    assert summary["stages"]["quantize"]["quant_algo"] == "FP8"
+    assert summary["stages"]["quantize"]["calibration"]["seed"] == 3
+    assert summary["stages"]["quantize"]["quality"]["tokens"] > 0
+    manifest = json.loads((tmp_path / "o" / "quantized" / "manifest.json").read_text())
+    assert manifest["stage"] == "quantize" and manifest["details"]["quant_algo"] == "FP8"
+    assert cli("verify", tmp_path / "o").exit_code == 0
+    line = one_line_error(cli("run", recipe, "-o", tmp_path / "o2", "--set", "quantize.method=int3"))
+    assert "--set quantize.method" in line

@@ -1,8 +1,8 @@
 """`trtbuild run`: execute a recipe's stages into one output directory.
 
-Layout of the output: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/` now;
-later `quantized/`, `engine/`, `report/`), each with its own manifest, and a top-level manifest over all of it.
-The whole directory is written atomically.
+Layout of the output: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/`,
+`quantized/` when the recipe has a `quantize:` section; later `engine/`, `report/`), each with its own
+manifest, and a top-level manifest over all of it. The whole directory is written atomically.
 """
 
 from __future__ import annotations
@@ -14,10 +14,26 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import convert
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
-from toolchain.recipe import LoadedRecipe
+from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
+from toolchain.recipe import LoadedRecipe, Recipe
 
-STAGES = ("convert",)
-_RESERVED = ("quantize", "build", "eval")
+_RESERVED = ("build", "eval")
+
+
+def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+    q = recipe.quantize
+    assert q is not None
+    opts = QuantizeOptions(
+        q.method,
+        q.kv_cache,
+        q.group_size,
+        q.calib_data,
+        q.calib_samples,
+        q.calib_seq_len,
+        recipe.seed,
+        tuple(q.exclude),
+    )
+    return quantize_checkpoint(tmp / "checkpoint", tmp / "quantized", opts, q.eval_data, q.eval_tokens, record=record)
 
 
 def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> dict[str, Any]:
@@ -29,7 +45,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
         if section in recipe.model_fields_set:  # present at all, even as null: refused, never ignored
             raise UserError(
                 f"{loaded.path}: section '{section}' is not supported by this version of trtbuild "
-                f"(stages available: {', '.join(STAGES)}); remove it"
+                "(stages available: convert, quantize); remove it"
             )
     resolved, sha = loaded.resolved(), loaded.sha256
 
@@ -50,16 +66,22 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
             workers=recipe.convert.workers,
             record=convert_record,
         )
+        stages = {"convert": converted}
+        if recipe.quantize is not None:
+            stages["quantize"] = _quantize(recipe, tmp, record("quantize"))
         run.add_inputs(loaded.path.parent, [loaded.path])
         run.inputs += convert_record.inputs  # already hashed by the stage
-        run.details.update(stages=list(STAGES), recipe_file=str(loaded.path))
+        run.details.update(stages=list(stages), recipe_file=str(loaded.path))
         run.warnings += converted["warnings"]
         manifest = run.write(tmp)
     return {
         "output_dir": str(out.resolve()),
         "recipe": str(loaded.path),
         "recipe_sha256": sha,
-        "stages": {"convert": {k: v for k, v in converted.items() if k not in ("outputs", "output_dir")}},
+        "stages": {
+            name: {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
+            for name, result in stages.items()
+        },
         "outputs": manifest["outputs"],
         "warnings": run.warnings,
         "wall_time_s": manifest["wall_time_s"],

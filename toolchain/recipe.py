@@ -55,7 +55,17 @@ class ConvertSection(_Section):
 
 
 class QuantizeSection(_Section):
-    """Reserved for the quantize stage (not implemented in this version)."""
+    """The quantize stage, as `trtbuild quantize` (the recipe's `seed` chooses the calibration windows)."""
+
+    method: Literal["w8a16", "w4a16", "w4a16_awq", "fp8"] = Field(description="Quantization method")
+    kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="KV cache quantization")
+    group_size: Literal[32, 64, 128] = Field(128, description="Group size of w4a16 / w4a16_awq")
+    calib_data: Path | None = Field(None, description="Calibration text (.txt / .jsonl); relative to the recipe")
+    calib_samples: StrictInt = Field(64, ge=1, description="Calibration windows")
+    calib_seq_len: StrictInt = Field(256, ge=2, description="Tokens per calibration window")
+    exclude: list[StrictStr] = Field(["lm_head"], description="Module globs left unquantized")
+    eval_data: Path | None = Field(None, description="Text to measure the quality cost on; relative to the recipe")
+    eval_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of eval_data to score")
 
 
 class BuildSection(_Section):
@@ -157,7 +167,16 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
 
     model = recipe.model.model_copy(update={"path": resolve(recipe.model.path)})
     output = resolve(recipe.output) if recipe.output else None
-    return recipe.model_copy(update={"model": model, "output": output})
+    update: dict[str, Any] = {"model": model, "output": output}
+    if recipe.quantize is not None:
+        q = recipe.quantize
+        update["quantize"] = q.model_copy(
+            update={
+                "calib_data": resolve(q.calib_data) if q.calib_data else None,
+                "eval_data": resolve(q.eval_data) if q.eval_data else None,
+            }
+        )
+    return recipe.model_copy(update=update)
 
 
 def _explain(error: ValidationError, path: Path, root: yaml.Node | None, overridden: list[str]) -> str:
