@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain import __version__
-from toolchain.errors import UserError
+from toolchain.errors import UserError, read_utf8
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -202,8 +202,8 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path} not found; {directory} is not a trtbuild artifact (or was not finished)")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = json.loads(read_utf8(path))
+    except json.JSONDecodeError as e:
         raise UserError(f"{path}: not a valid JSON manifest ({e})") from e
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
         version = data.get("schema_version") if isinstance(data, dict) else None

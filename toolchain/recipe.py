@@ -24,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from toolchain.errors import UserError
+from toolchain.errors import UserError, read_utf8
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
@@ -116,10 +116,7 @@ def schema() -> dict[str, Any]:
 def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRecipe:
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass the path of a .yaml recipe (see recipes/)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this the recipe file?") from e
+    text = read_utf8(path)
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
-from toolchain.errors import UserError
+from toolchain.errors import UserError, read_utf8
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Weight pickles by Hugging Face's naming; other pickles in a training dir (training_args.bin, optimizer.pt)
@@ -41,11 +41,9 @@ TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def load_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_utf8(path))
     except FileNotFoundError as e:
         raise UserError(f"{path} not found; a Hugging Face model dir needs its config.json") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this the right file?") from e
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
     if not isinstance(data, dict):

@@ -8,16 +8,15 @@ from pathlib import Path
 
 import torch
 
-from toolchain.errors import UserError
+from toolchain.errors import UserError, read_utf8
+
+_MARGIN = 64
 
 
 def read_text(path: Path) -> str:
     if not path.is_file():
         raise UserError(f"text file {path} does not exist; pass a .txt or .jsonl file")
-    try:
-        raw = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start})") from e
+    raw = read_utf8(path)
     if path.suffix == ".jsonl":
         texts = []
         for number, line in enumerate(raw.splitlines(), 1):
@@ -44,6 +43,12 @@ def tokenize(path: Path, tokenizer_dir: Path, max_tokens: int | None = None) -> 
         raise UserError(
             f"{tokenizer_dir}: no usable tokenizer ({type(e).__name__}); convert a model that has one"
         ) from e
-    ids = tokenizer(read_text(path), add_special_tokens=False)["input_ids"]
-    tokens = torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.int64)
-    return tokens
+    text = read_text(path)
+    if max_tokens:
+        # Tokenize a prefix generous enough for max_tokens (a token is rarely over 16 characters) rather than a
+        # whole corpus; the margin keeps the cut, which can split a word, away from the tokens returned.
+        ids = tokenizer(text[: (max_tokens + _MARGIN) * 16], add_special_tokens=False)["input_ids"]
+        if len(ids) < max_tokens + _MARGIN and len(text) > (max_tokens + _MARGIN) * 16:
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return torch.tensor(ids[:max_tokens], dtype=torch.int64)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.int64)

@@ -16,7 +16,6 @@ Every scale is a dequantization factor: value = code * scale.
 from __future__ import annotations
 
 import fnmatch
-import re
 
 import torch
 
@@ -29,7 +28,6 @@ KV_MAXBOUND = {"INT8": 127.0, "FP8": FP8_E4M3_MAX}
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_EXCLUDE = ("lm_head",)
 _LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
-_LAYER = re.compile(r"(transformer\.layers\.\d+)\.")
 
 
 def quantizable(weights: dict[str, torch.Tensor]) -> list[str]:
@@ -64,8 +62,3 @@ def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) 
     if algo == "FP8":
         return codes.float() * scale
     raise AssertionError(f"unknown quant_algo {algo}")
-
-
-def layer_of(prefix: str) -> str | None:
-    match = _LAYER.match(prefix)
-    return match.group(1) if match else None
