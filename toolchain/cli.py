@@ -135,6 +135,7 @@ class Method(str, Enum):
     w8a16 = "w8a16"
     w4a16 = "w4a16"
     w4a16_awq = "w4a16_awq"
+    w8a8_sq = "w8a8_sq"
     fp8 = "fp8"
 
 
@@ -154,13 +155,15 @@ def quantize(
     method: Annotated[
         Method,
         typer.Option(
-            help="w8a16: int8 per channel; w4a16: int4 per group; w4a16_awq: int4 with AWQ scales; fp8: E4M3."
+            help="w8a16: int8 weights per channel; w4a16: int4 per group; w4a16_awq: int4 with AWQ scales; "
+            "w8a8_sq: SmoothQuant int8 weights and activations; fp8: E4M3 weights and activations."
         ),
     ],
     kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache.none,
     group_size: Annotated[int, typer.Option("--group-size", help="w4a16 group size: 32, 64 or 128.")] = 128,
     calib_data: Annotated[
-        Path | None, typer.Option("--calib-data", help="Calibration text (.txt or .jsonl {'text'}); fp8 and KV.")
+        Path | None,
+        typer.Option("--calib-data", help="Calibration text (.txt or .jsonl {'text'}); awq, sq, fp8 and KV cache."),
     ] = None,
     calib_samples: Annotated[int, typer.Option("--calib-samples", min=1, help="Calibration windows.")] = 64,
     calib_seq_len: Annotated[int, typer.Option("--calib-seq-len", min=2, help="Tokens per window.")] = 256,
@@ -168,6 +171,9 @@ def quantize(
     exclude: Annotated[
         list[str] | None, typer.Option("--exclude", help="Module glob left unquantized (repeatable); default lm_head.")
     ] = None,
+    sq_alpha: Annotated[
+        float, typer.Option("--sq-alpha", min=0.0, max=1.0, help="w8a8_sq migration strength α (0: none, 1: all).")
+    ] = 0.5,
     eval_data: Annotated[
         Path | None, typer.Option("--eval-data", help="Text to measure the quality cost on (KLD, PPL ratio, top-1).")
     ] = None,
@@ -188,6 +194,7 @@ def quantize(
             calib_seq_len,
             seed,
             tuple(exclude) if exclude else ("lm_head",),
+            sq_alpha,
         )
         r = quantize_checkpoint(checkpoint, output, opts, eval_data, eval_tokens, force)
     lines = [

@@ -32,6 +32,7 @@ def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
         q.calib_seq_len,
         recipe.seed,
         tuple(q.exclude),
+        q.sq_alpha,
     )
     return quantize_checkpoint(tmp / "checkpoint", tmp / "quantized", opts, q.eval_data, q.eval_tokens, record=record)
 

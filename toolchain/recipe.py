@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictBool,
+    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -57,13 +58,14 @@ class ConvertSection(_Section):
 class QuantizeSection(_Section):
     """The quantize stage, as `trtbuild quantize` (the recipe's `seed` chooses the calibration windows)."""
 
-    method: Literal["w8a16", "w4a16", "w4a16_awq", "fp8"] = Field(description="Quantization method")
+    method: Literal["w8a16", "w4a16", "w4a16_awq", "w8a8_sq", "fp8"] = Field(description="Quantization method")
     kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="KV cache quantization")
     group_size: Literal[32, 64, 128] = Field(128, description="Group size of w4a16 / w4a16_awq")
     calib_data: Path | None = Field(None, description="Calibration text (.txt / .jsonl); relative to the recipe")
     calib_samples: StrictInt = Field(64, ge=1, description="Calibration windows")
     calib_seq_len: StrictInt = Field(256, ge=2, description="Tokens per calibration window")
     exclude: list[StrictStr] = Field(["lm_head"], description="Module globs left unquantized")
+    sq_alpha: StrictFloat = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength (w8a8_sq)")
     eval_data: Path | None = Field(None, description="Text to measure the quality cost on; relative to the recipe")
     eval_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of eval_data to score")
 

@@ -32,7 +32,7 @@ CONFIG: dict[str, Any] = {
 }
 
 
-def _tokenizer() -> Any:
+def byte_level_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +55,7 @@ def make_tiny_llama(out: Path, seed: int = 0, force: bool = False) -> dict[str, 
         torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**CONFIG, dtype="float32"))
         model.save_pretrained(tmp, safe_serialization=True)
-        _tokenizer().save_pretrained(tmp)
+        byte_level_tokenizer().save_pretrained(tmp)
         manifest = record.write(tmp)
     params = sum(p.numel() for p in model.parameters())
     return {

@@ -68,6 +68,7 @@ class QuantConfig:
     quant_algo: str | None = None
     kv_cache_quant_algo: str | None = None
     group_size: int = 128
+    smoothquant_val: float = 0.5  # SmoothQuant's migration strength α (TensorRT-LLM's default)
     has_zero_point: bool = False
     pre_quant_scale: bool = False
     exclude_modules: list[str] | None = None

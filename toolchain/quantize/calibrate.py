@@ -1,6 +1,7 @@
 """Calibration: run sample windows of text through the reference forward and record, per linear layer, the
-largest |input| (for activation scales), and per attention layer the largest |k| and |v| as the KV cache
-stores them (after rotary). Only running maxima are kept, never activations."""
+largest |input| overall and per input channel (activation scales, SmoothQuant), the mean |input| per channel and a
+bounded sample of input rows (AWQ), and per attention layer the largest |k| and |v| as the KV cache
+stores them (after rotary). Only running statistics and a bounded row sample are kept, never all activations."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ SAMPLE_ROWS = 2048  # input rows kept per linear for AWQ's search: bounded, what
 @dataclass
 class Calibration:
     input_amax: dict[str, float] = field(default_factory=dict)  # linear prefix -> max |x|
+    input_channel_amax: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> max |x_c| per channel
     kv_amax: dict[str, float] = field(default_factory=dict)  # layer prefix -> max(|k|, |v|)
     input_abs_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> sum over tokens of |x_c|
     tokens: dict[str, int] = field(default_factory=dict)
@@ -40,12 +42,15 @@ class _Observer(Hooks):
         c = self.calibration
         self._record(c.input_amax, prefix, x)
         rows = x.reshape(-1, x.shape[-1]).double()
+        peak = rows.abs().amax(0)
+        seen = c.input_channel_amax.get(prefix)
+        c.input_channel_amax[prefix] = peak if seen is None else torch.maximum(seen, peak)
         c.input_abs_sum[prefix] = c.input_abs_sum.get(prefix, 0) + rows.abs().sum(0)
         c.tokens[prefix] = c.tokens.get(prefix, 0) + rows.shape[0]
-        kept = c.input_sample.get(prefix, rows[:0])
+        kept = c.input_sample.get(prefix, rows[:0].float())
         if kept.shape[0] < SAMPLE_ROWS:  # a strided pick across each batch, not just its first rows
             step = max(rows.shape[0] // 256, 1)
-            c.input_sample[prefix] = torch.cat([kept, rows[::step][: SAMPLE_ROWS - kept.shape[0]]])
+            c.input_sample[prefix] = torch.cat([kept, rows[::step][: SAMPLE_ROWS - kept.shape[0]].float()])
         return x
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,7 @@
-"""The reference forward of a quantized checkpoint: weights dequantized, and what the engine quantizes at run
-time — FP8 activations at each linear's input, the KV cache — quantized and dequantized in place (fake
-quantization), so the reference computes what the engine will compute, up to accumulation order."""
+"""The reference forward of a quantized checkpoint: weights dequantized; each linear's input multiplied by its
+`prequant_scaling_factor` when it has one; and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8
+activations at each linear's input, the KV cache — quantized and dequantized in place (fake quantization), so the
+reference computes what the engine will compute, up to accumulation order."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch
 
 from toolchain.checkpoint.trtllm import load_rank, read_config
 from toolchain.quantize.core import FP8_E4M3_MAX
-from toolchain.quantize.scheme import KV_MAXBOUND, dequantize
+from toolchain.quantize.scheme import ACTIVATION_KIND, KV_MAXBOUND, dequantize
 from toolchain.reference.model import Hooks, ReferenceModel
 
 
@@ -21,12 +22,25 @@ def fake_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
 
 
 class FakeQuant(Hooks):
-    def __init__(self, activation_scales: dict[str, float], kv_scales: dict[str, float], kv_kind: str | None):
-        self.activation_scales, self.kv_scales, self.kv_kind = activation_scales, kv_scales, kv_kind
+    def __init__(
+        self,
+        prequant: dict[str, torch.Tensor],
+        activation_scales: dict[str, float],
+        activation_kind: str | None,
+        kv_scales: dict[str, float],
+        kv_kind: str | None,
+    ):
+        self.prequant, self.activation_scales, self.activation_kind = prequant, activation_scales, activation_kind
+        self.kv_scales, self.kv_kind = kv_scales, kv_kind
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
+        pre = self.prequant.get(prefix)
+        if pre is not None:
+            x = x * pre.to(x.dtype)
         scale = self.activation_scales.get(prefix)
-        return x if scale is None else fake_quant(x, scale, "FP8")
+        if scale is None or self.activation_kind is None:
+            return x
+        return fake_quant(x, scale, self.activation_kind)
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv_kind is None:
@@ -41,6 +55,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     weights: dict[str, torch.Tensor] = {}
     activation: dict[str, float] = {}
     kv: dict[str, float] = {}
+    prequant: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith(".weights_scaling_factor"):
             prefix = name.removesuffix(".weights_scaling_factor")
@@ -50,11 +65,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
         elif name.endswith(".attention.kv_cache_scaling_factor"):
             kv[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
         elif name.endswith(".prequant_scaling_factor"):
-            continue  # folded into the dequantized weight
+            prequant[name.removesuffix(".prequant_scaling_factor")] = tensor
         elif name.removesuffix(".weight") + ".weights_scaling_factor" not in raw:
             weights[name] = tensor
     model = ReferenceModel(cfg, weights, dtype)
     kind = cfg.quantization.kv_cache_quant_algo
     assert kind is None or kind in KV_MAXBOUND
-    model.hooks = FakeQuant(activation, kv, kind)
+    model.hooks = FakeQuant(prequant, activation, ACTIVATION_KIND.get(cfg.quantization.quant_algo or ""), kv, kind)
     return model

@@ -7,6 +7,10 @@ Layout (docs/quantization.md; facts in docs/research/trtllm-quantized-layouts.md
   extra input channels zero (exact for any input, since they multiply zeros).
 - W4A16_AWQ: as W4A16, of the weight scaled per input channel by AWQ's s, plus PREFIX.prequant_scaling_factor
   [in] = 1/s in the model dtype, which multiplies the input at run time.
+- W8A8_SQ_PER_CHANNEL (SmoothQuant): PREFIX.weight int8 [out, in] of the smoothed weight; weights_scaling_factor
+  float32 [out]; activation_scaling_factor float32 [1] (static, per tensor, of the smoothed input); and, for the
+  linears with no norm in front (attention.dense, mlp.proj), prequant_scaling_factor [in] = 1/s in the model dtype
+  — the others' 1/s is folded into their norm's weight (and bias).
 - FP8: PREFIX.weight float8_e4m3fn [out, in]; PREFIX.weights_scaling_factor and PREFIX.activation_scaling_factor
   float32 [1].
 - KV cache (INT8 / FP8): LAYER.attention.kv_cache_scaling_factor float32 [1].
@@ -22,7 +26,15 @@ import torch
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, unpack_int4
 
-METHODS = {"w8a16": "W8A16", "w4a16": "W4A16", "w4a16_awq": "W4A16_AWQ", "fp8": "FP8"}
+METHODS = {
+    "w8a16": "W8A16",
+    "w4a16": "W4A16",
+    "w4a16_awq": "W4A16_AWQ",
+    "w8a8_sq": "W8A8_SQ_PER_CHANNEL",
+    "fp8": "FP8",
+}
+# quant_algo -> how its activations are quantized at run time (static per-tensor scale), when they are
+ACTIVATION_KIND = {"W8A8_SQ_PER_CHANNEL": "INT8", "FP8": "FP8"}
 KV_CACHE = {"none": None, "int8": "INT8", "fp8": "FP8"}
 KV_MAXBOUND = {"INT8": 127.0, "FP8": FP8_E4M3_MAX}
 GROUP_SIZES = (32, 64, 128)
@@ -49,16 +61,14 @@ def in_features(cfg: ModelConfig, prefix: str) -> int:
 
 
 def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The float weight [out, in] a quantized PREFIX stands for."""
+    """The float weight [out, in] a quantized PREFIX stores; a `prequant_scaling_factor`, when there is one, still
+    multiplies the input (the engine applies it to the input before any activation quantization)."""
     algo = cfg.quantization.quant_algo
     codes, scale = weights[f"{prefix}.weight"], weights[f"{prefix}.weights_scaling_factor"].float()
-    if algo == "W8A16":
+    if algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
         return codes.float() * scale[:, None]
     if algo in ("W4A16", "W4A16_AWQ"):
-        weight = dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
-        if algo == "W4A16_AWQ":  # the runtime multiplies the input by prequant; fold it into the weight
-            weight = weight * weights[f"{prefix}.prequant_scaling_factor"].float()[None, :]
-        return weight
+        return dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
     if algo == "FP8":
         return codes.float() * scale
     raise AssertionError(f"unknown quant_algo {algo}")

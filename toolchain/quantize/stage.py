@@ -1,6 +1,7 @@
 """`trtbuild quantize`: a TensorRT-LLM checkpoint -> a quantized one, plus (optionally) its quality report.
 
-Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); FP8 activation and
+Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); AWQ input-channel
+scales (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
 KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
 """
 
@@ -43,6 +44,7 @@ from toolchain.quantize.scheme import (
     excluded,
     quantizable,
 )
+from toolchain.quantize.smoothquant import smooth_layer
 from toolchain.reference.model import ReferenceModel
 
 
@@ -56,6 +58,7 @@ class QuantizeOptions:
     calib_seq_len: int = 256
     seed: int = 0
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
+    sq_alpha: float = 0.5
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -66,10 +69,12 @@ class QuantizeOptions:
             raise UserError(f"group size {self.group_size} is not supported; choose one of {GROUP_SIZES}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise UserError("calibration needs at least 1 sample of at least 2 tokens")
+        if not 0 <= self.sq_alpha <= 1:
+            raise UserError(f"SmoothQuant alpha {self.sq_alpha} is outside [0, 1]")
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method in ("fp8", "w4a16_awq") or self.kv_cache != "none"
+        return self.method in ("fp8", "w4a16_awq", "w8a8_sq") or self.kv_cache != "none"
 
 
 def _quantize_linear(
@@ -78,6 +83,14 @@ def _quantize_linear(
     if opts.method == "w8a16":
         codes, scale = quantize_per_channel(weight)
         return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
+    if opts.method == "w8a8_sq":  # `weight` is already smoothed, and the calibration maxima updated to match
+        codes, scale = quantize_per_channel(weight)
+        act = calib.input_amax[prefix] / 127
+        return {
+            f"{prefix}.weight": codes,
+            f"{prefix}.weights_scaling_factor": scale,
+            f"{prefix}.activation_scaling_factor": torch.tensor([act if act > 0 else 1.0], dtype=torch.float32),
+        }
     if opts.method in ("w4a16", "w4a16_awq"):
         if weight.shape[0] % 2:
             raise UserError(f"{prefix}: {weight.shape[0]} output channels; int4 packing needs an even number")
@@ -137,8 +150,12 @@ def quantize_checkpoint(
     calib, calib_info = _calibration(source, opts, model)
     out: dict[str, torch.Tensor] = dict(weights)
     chosen = [p for p in quantizable(weights) if not excluded(p, opts.exclude)]
+    if opts.method == "w8a8_sq":
+        for i in range(cfg.num_hidden_layers):
+            prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
+            out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
     for prefix in chosen:
-        out.update(_quantize_linear(opts, prefix, weights[f"{prefix}.weight"], calib, cfg.torch_dtype))
+        out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype))
     kv_algo = KV_CACHE[opts.kv_cache]
     if kv_algo:
         for layer, amax in calib.kv_amax.items():
@@ -148,7 +165,8 @@ def quantize_checkpoint(
         quant_algo=METHODS[opts.method],
         kv_cache_quant_algo=kv_algo,
         group_size=opts.group_size,
-        pre_quant_scale=opts.method == "w4a16_awq",
+        smoothquant_val=opts.sq_alpha,
+        pre_quant_scale=opts.method in ("w4a16_awq", "w8a8_sq"),
         exclude_modules=sorted(set(quantizable(weights)) - set(chosen) | {"transformer.vocab_embedding"}),
     )
     qcfg = dataclasses.replace(cfg, quantization=quant)
@@ -158,6 +176,7 @@ def quantize_checkpoint(
         quant_algo=quant.quant_algo,
         kv_cache_quant_algo=kv_algo,
         group_size=opts.group_size,
+        smoothquant_alpha=opts.sq_alpha if opts.method == "w8a8_sq" else None,
         quantized_modules=len(chosen),
         calibration=calib_info or None,
     )
