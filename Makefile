@@ -18,6 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# tensorrt-stubs depends on `tensorrt`, whose package needs NVIDIA's index: install the stubs alone.
 	$(BIN)/pip install --quiet --no-deps 'tensorrt-stubs>=10.13,<11'
+	# The stubs ship as plain `tensorrt/*.pyi` without py.typed, which mypy reads only from its mypy_path; a few
+	# signatures name a parameter `in` (a Python keyword), renamed `in_` in our copy, and add_scale_nd puts a
+	# parameter without a default after defaulted ones: given `= ...` here, so that mypy can parse the file.
+	rm -rf $(VENV)/typings && mkdir -p $(VENV)/typings
+	site=$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'); \
+	cp -r $$site/tensorrt $$site/tensorrt_bindings $(VENV)/typings/
+	sed -i -e 's/\([(,] *\)in: /\1in_: /g' -e 's/channel_axis: int) -> IScaleLayer/channel_axis: int = ...) -> IScaleLayer/' \
+		$(VENV)/typings/tensorrt_bindings/tensorrt.pyi
 	touch $(STAMP)
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.

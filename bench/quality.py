@@ -27,6 +27,7 @@ CONFIGS = [
     ("w4a16_awq", 32, "none"),
     ("w4a16_awq", 64, "none"),
     ("w4a16_awq", 128, "none"),
+    ("w8a8_sq", 128, "none"),
     ("fp8", 128, "none"),
     ("w8a16", 128, "int8"),
     ("w8a16", 128, "fp8"),

@@ -181,7 +181,7 @@ def test_recipe_edge_cases(cli: Any, make_llama: Any, tmp_path: Path) -> None:
         cli("run", recipe, "-o", tmp_path / "o", "--set", "model.nope.deep=1")
     )
     assert "--set model.path.x" in one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "model.path.x=1"))
-    assert "'eval'" in one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "eval=null"))
+    assert "'build:'" in one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "eval.data=t.txt"))
     for bad in ("seed: '7'", "seed: 7.0", "model:\n  path: x\n  allow_pickle: 'yes'"):
         recipe.write_text(f"{bad}\n" if bad.startswith("model") else f"model:\n  path: {hf}\n{bad}\n")
         one_line_error(cli("run", recipe, "-o", tmp_path / "o"))

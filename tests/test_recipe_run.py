@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from conftest import one_line_error
 from safetensors.torch import load_file
@@ -82,10 +83,10 @@ def test_missing_recipe_and_missing_output(cli: Any, tmp_path: Path, make_llama:
     assert "-o OUT_DIR" in one_line_error(cli("run", recipe))
 
 
-def test_reserved_section_is_refused_not_ignored(cli: Any, tmp_path: Path, make_llama: Any) -> None:
-    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\nbuild: {{}}\n")
+def test_eval_without_build_is_refused(cli: Any, tmp_path: Path, make_llama: Any) -> None:
+    recipe = write_recipe(tmp_path / "r.yaml", f"model:\n  path: {make_llama()}\neval:\n  data: t.txt\n")
     line = one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
-    assert "'build'" in line and "remove it" in line
+    assert "'build:'" in line
     assert not (tmp_path / "o").exists()
 
 
@@ -98,9 +99,15 @@ def test_schema_is_json_schema_of_the_recipe(cli: Any) -> None:
     assert "model" in schema["required"]
 
 
-def test_demo_recipe_validates() -> None:
-    loaded = load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml")
-    assert loaded.recipe.model.path.name == "tiny-llama"
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.stem for p in RECIPES])
+def test_shipped_recipes_validate(path: Path) -> None:
+    loaded = load_recipe(path)
+    assert loaded.recipe.name and loaded.recipe.output is not None
+    if loaded.recipe.eval is not None:
+        assert loaded.recipe.build is not None
 
 
 def test_recipe_convert_section_splits_the_checkpoint(cli: Any, make_llama: Any, tmp_path: Path) -> None:

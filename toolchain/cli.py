@@ -209,6 +209,122 @@ def quantize(
     _emit(r, json_out, lines)
 
 
+class Backend(str, Enum):
+    auto = "auto"
+    tensorrt = "tensorrt"
+    onnxruntime = "onnxruntime"
+
+
+@app.command(
+    epilog="Example: `trtbuild build ./ckpt-fp8 -o ./engine --max-batch-size 32 --max-seq-len 4096` "
+    "(auto: TensorRT where it and a GPU are present, else the CPU engine, said on stderr and in the manifest)"
+)
+def build(
+    checkpoint: Annotated[Path, typer.Argument(help="A converted or quantized (tp=1) checkpoint directory.")],
+    output: OutputOpt,
+    backend: Annotated[
+        Backend, typer.Option(help="tensorrt: a TensorRT plan (needs TensorRT + GPU); onnxruntime: the CPU engine.")
+    ] = Backend.auto,
+    max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Sequences per call.")] = 16,
+    max_num_tokens: Annotated[
+        int, typer.Option("--max-num-tokens", min=1, help="Tokens per call (prefill chunks + decodes).")
+    ] = 2048,
+    max_seq_len: Annotated[
+        int, typer.Option("--max-seq-len", min=0, help="Longest sequence; 0: the model's max positions.")
+    ] = 0,
+    tokens_per_block: Annotated[
+        int, typer.Option("--tokens-per-block", help="KV cache block size in tokens (TensorRT: 16, 32 or 64).")
+    ] = 16,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Build an engine: the ONNX engine graph with our plugin ops and explicit quantization, and its TensorRT plan."""
+    from toolchain.engine.build import BuildOptions, build_engine
+
+    with _handled():
+        opts = BuildOptions(backend.value, max_batch_size, max_num_tokens, max_seq_len, tokens_per_block)
+        r = build_engine(checkpoint, output, opts, force)
+    limits = r["limits"]
+    _emit(
+        r,
+        json_out,
+        [
+            f"built -> {r['engine_dir']}",
+            f"  backend {r['backend']}, {r['dtype']}, batch <= {limits['max_batch_size']}, tokens/call <= "
+            f"{limits['max_num_tokens']}, seq <= {limits['max_seq_len']}, {limits['tokens_per_block']} tokens/block",
+            f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
+        ],
+    )
+
+
+def _parse_gates(items: list[str]) -> dict[str, float]:
+    gates = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            gates[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise UserError(f"--gate {item!r}: expected NAME=NUMBER, e.g. kld_mean_max=0.01")
+    return gates
+
+
+@app.command(
+    "eval",
+    epilog="Example: `trtbuild eval ./engine --reference ./hf-model --data ../shared/data/wikitext-2/test.txt "
+    "--golden prompts.jsonl --gate kld_mean_max=0.01 --gate top1_min=0.95` (exit 3 when a gate fails)",
+)
+def eval_(
+    engine_dir: Annotated[Path, typer.Argument(help="An engine directory from `trtbuild build`.")],
+    reference: Annotated[Path, typer.Option("--reference", help="The original Hugging Face model dir.")],
+    data: Annotated[Path, typer.Option("--data", help="Evaluation text (.txt or .jsonl {'text'}).")],
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Report dir; default ENGINE_DIR-report beside the engine.")
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens of --data to score.")] = 50_000,
+    golden: Annotated[
+        Path | None, typer.Option("--golden", help='JSONL of {"prompt": ..., "max_new_tokens": N}: greedy replay.')
+    ] = None,
+    gate: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gate",
+            metavar="NAME=LIMIT",
+            help="kld_mean_max, top1_min, ppl_ratio_max, golden_exact_min (repeatable); a failure exits 3.",
+        ),
+    ] = None,
+    backend: Annotated[
+        Backend | None, typer.Option(help="Run through this backend instead of the engine's own.")
+    ] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Score an engine against the original model (PPL ratio, KLD, top-1, Δp, golden prompts) and apply gates."""
+    from toolchain.evaluate.engine_eval import run_eval
+    from toolchain.evaluate.quality import QualityReport
+
+    with _handled():
+        gates = _parse_gates(gate or [])
+        out = output or engine_dir.resolve().with_name(engine_dir.resolve().name + "-report")
+        r = run_eval(
+            engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force
+        )
+    lines = [f"report -> {r['report_dir']} (report.md, report.html, report.json)"]
+    lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
+    if r["golden_exact"] is not None:
+        lines.append(f"  golden exact       {100 * r['golden_exact']:.1f} % of {len(r['golden'])} prompts")
+    lines += [
+        f"  gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
+        for g in r["gates"]
+    ]
+    slim = {k: v for k, v in r.items() if k not in ("kld_histogram", "top1_by_position")}
+    _emit(slim, json_out, lines)
+    if not r["passed"]:
+        console.err.print("quality regression: a gate failed (exit 3)", markup=False)
+        raise typer.Exit(3)
+
+
 @app.command(epilog="Example: `trtbuild inspect ./ckpt --json`")
 def inspect(
     directory: Annotated[Path, typer.Argument(help="A checkpoint (later: engine) or run output directory.")],
@@ -239,6 +355,18 @@ def _describe_lines(info: dict[str, Any], indent: str = "") -> list[str]:
             f"{indent}  quantization  {info['quantization']['quant_algo'] or 'none'} "
             f"(kv cache: {info['quantization']['kv_cache_quant_algo'] or 'none'})",
             f"{indent}  rank files    " + ", ".join(f"{n} ({s:,} B)" for n, s in info["rank_files"].items()),
+        ]
+    if "engine" in info:
+        e = info["engine"]
+        limits = e["limits"]
+        lines += [
+            f"{indent}  engine        {e['architecture']} on {e['backend']}, {e['dtype']}, "
+            f"{e['quant_algo'] or 'unquantized'}, kv cache {e['kv_cache']}",
+            f"{indent}  limits        batch {limits['max_batch_size']}, tokens/call {limits['max_num_tokens']}, "
+            f"seq {limits['max_seq_len']}, {limits['tokens_per_block']} tokens/block, {limits['num_blocks']} blocks",
+            f"{indent}  built with    TensorRT {e['tensorrt'] or '-'}, GPU {e['gpu'] or '-'} (SM {e['sm'] or '-'}), "
+            f"driver {e['driver'] or '-'}, CUDA {e['cuda'] or '-'}, onnxruntime {e['onnxruntime'] or '-'}",
+            f"{indent}  plugins       {e['plugins']}",
         ]
     if "manifest" in info:
         m = info["manifest"]
@@ -292,25 +420,43 @@ def run(
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Run a recipe's stages (now: convert) into one output directory with manifests."""
+    """Run a recipe's stages (convert, quantize, build, eval) into one output directory; unchanged stages are
+    reused. Exit 3 when an eval gate fails."""
     from toolchain.pipeline import run_recipe
     from toolchain.recipe import load_recipe
 
     with _handled():
         loaded = load_recipe(recipe, set_ or [])
         r = run_recipe(loaded, output, force=force)
-    conv = r["stages"]["convert"]
-    _emit(
-        r,
-        json_out,
-        [
-            f"ran {r['recipe']} -> {r['output_dir']}",
-            f"  recipe sha256 {r['recipe_sha256']}",
-            f"  convert: {conv['architecture']}, {conv['dtype']}, {conv['num_tensors']} tensors, "
-            f"{conv['num_parameters']:,} parameters",
-            f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
-        ],
-    )
+    lines = [f"ran {r['recipe']} -> {r['output_dir']}", f"  recipe sha256 {r['recipe_sha256']}"]
+    for name, stage in r["stages"].items():
+        lines.append(f"  {name:<9}{' (unchanged, reused)' if stage.get('cached') else ''}{_stage_line(name, stage)}")
+    if r["stages"].get("eval", {}).get("quality"):
+        from toolchain.evaluate.quality import QualityReport
+
+        lines += ["    " + line for line in QualityReport(**r["stages"]["eval"]["quality"]).lines()]
+        lines += [
+            f"    gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
+            for g in r["stages"]["eval"]["gates"]
+        ]
+    lines.append(f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s")
+    _emit(r, json_out, lines)
+    if not r["passed"]:
+        console.err.print("quality regression: a gate failed (exit 3)", markup=False)
+        raise typer.Exit(3)
+
+
+def _stage_line(name: str, s: dict[str, Any]) -> str:
+    if name == "convert":
+        return f" {s.get('architecture')}, {s.get('dtype')}, {s.get('num_parameters', 0):,} parameters"
+    if name == "quantize":
+        return f" {s.get('quant_algo')}, kv cache {s.get('kv_cache_quant_algo') or 'unquantized'}"
+    if name == "build":
+        return f" backend {s.get('backend')}, {s.get('dtype')}"
+    if name == "eval":
+        q = s.get("quality") or {}
+        return f" mean KLD {q.get('kld_mean', float('nan')):.6f}, {'PASS' if s.get('passed') else 'REGRESSION'}"
+    return ""
 
 
 @recipe_app.command("schema", epilog="Example: `trtbuild recipe schema > recipe.schema.json`")

@@ -58,6 +58,32 @@ def _checkpoint(directory: Path) -> dict[str, Any]:
     }
 
 
+def _engine(directory: Path) -> dict[str, Any]:
+    from toolchain.engine.build import read_build_config
+
+    config = read_build_config(directory)
+    compat = config.get("compatibility") or {}
+    return {
+        "kind": "engine",
+        "engine": {
+            "backend": config["backend"],
+            "dtype": config["dtype"],
+            "architecture": config["architecture"],
+            "quant_algo": config["quantization"]["quant_algo"],
+            "kv_cache": config["kv_cache"]["dtype"],
+            "limits": config["limits"],
+            "tensorrt": compat.get("tensorrt"),
+            "gpu": compat.get("gpu"),
+            "sm": compat.get("sm"),
+            "driver": compat.get("driver"),
+            "cuda": compat.get("cuda"),
+            "onnxruntime": config.get("onnxruntime"),
+            # until the CUDA plugins have run on a GPU against the reference vectors (docs/kernels.md)
+            "plugins": "PagedAttention: reference op (CPU); CUDA kernel not yet verified on a GPU",
+        },
+    }
+
+
 def describe(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory; pass a checkpoint or run output directory")
@@ -66,6 +92,8 @@ def describe(directory: Path) -> dict[str, Any]:
         config = load_json(directory / CONFIG_NAME)
         hf_style = "architecture" not in config and "architectures" in config
         info.update(_hf_model(directory, config) if hf_style else _checkpoint(directory))
+    if (directory / "build_config.json").is_file():
+        info.update(_engine(directory))
     children = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / MANIFEST_NAME).is_file()]
     if children:
         info["kind"] = info.get("kind", "run")

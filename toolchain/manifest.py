@@ -54,7 +54,7 @@ def file_entry(path: Path, root: Path, sha256: str | None = None) -> dict[str, A
     }
 
 
-def _package_version(name: str) -> str | None:
+def package_version(name: str) -> str | None:
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -112,7 +112,7 @@ def _git_commit() -> dict[str, Any]:
 
 
 def environment() -> dict[str, Any]:
-    packages = {name: _package_version(name) for name in PACKAGES}
+    packages = {name: package_version(name) for name in PACKAGES}
     packages["tensorrt"] = _tensorrt_version()
     return {
         "toolchain": {"version": __version__, **_git_commit()},

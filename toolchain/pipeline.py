@@ -1,23 +1,172 @@
-"""`trtbuild run`: execute a recipe's stages into one output directory.
+"""`trtbuild run`: execute a recipe's stages — convert, then quantize, build and eval when the recipe has those
+sections — into one output directory.
 
-Layout of the output: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/`,
-`quantized/` when the recipe has a `quantize:` section; later `engine/`, `report/`), each with its own
-manifest, and a top-level manifest over all of it. The whole directory is written atomically.
+Layout: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/`, `quantized/`, `engine/`,
+`report/`), each with its own manifest, and a top-level manifest over all of it.
+
+Stages are cached: each stage's manifest records a key, the sha256 of its settings, its input files' contents and
+the key of the stage it reads from. Re-running a recipe into the same output reuses every stage whose key is
+unchanged (hard links, no copy) and redoes the rest — an unchanged re-run does nothing and says so; changing only
+the gates re-runs only eval. `--force` rebuilds every stage. The directory is still replaced atomically: a failed
+run leaves the previous output as it was.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from toolchain import __version__, console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import convert
+from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
-from toolchain.manifest import StageRecord
+from toolchain.evaluate.engine_eval import run_eval
+from toolchain.manifest import MANIFEST_NAME, StageRecord, is_artifact, read_manifest, sha256_file
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import LoadedRecipe, Recipe
 
-_RESERVED = ("build", "eval")
+
+def _digest(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _files(*paths: Path | None) -> dict[str, str]:
+    """Content hashes of input files (every file of a directory, not recursing)."""
+    out: dict[str, str] = {}
+    for path in paths:
+        if path is None:
+            continue
+        files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        out.update({str(f): sha256_file(f) for f in files if f.exists()})
+    return out
+
+
+def _stage_keys(recipe: Recipe) -> dict[str, str]:
+    """Every stage's cache key, chained: a stage's key includes the key of the stage it reads."""
+    m = recipe.model
+    keys = {
+        "convert": _digest(__version__, m.dtype, m.allow_pickle, recipe.convert.tp, recipe.convert.pp, _files(m.path))
+    }
+    upstream = keys["convert"]
+    if recipe.quantize is not None:
+        q = recipe.quantize
+        settings = q.model_dump(mode="json", exclude={"calib_data", "eval_data"})
+        keys["quantize"] = _digest(upstream, recipe.seed, settings, _files(q.calib_data, q.eval_data))
+        upstream = keys["quantize"]
+    if recipe.build is not None:
+        keys["build"] = _digest(upstream, recipe.build.model_dump(mode="json"))
+        upstream = keys["build"]
+    if recipe.eval is not None:
+        e = recipe.eval
+        settings = e.model_dump(mode="json", exclude={"data", "golden"})
+        keys["eval"] = _digest(upstream, settings, _files(e.data, e.golden))
+    return keys
+
+
+STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report"}
+
+
+def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, Any] | None:
+    """Hard-link the previous run's stage dir into `tmp` when its key matches; its summary, or None."""
+    if previous is None:
+        return None
+    src = previous / STAGE_DIRS[stage]
+    try:
+        manifest = read_manifest(src)
+    except UserError:
+        return None
+    if manifest["details"].get("cache_key") != key:
+        return None
+    shutil.copytree(src, tmp / STAGE_DIRS[stage], copy_function=os.link)
+    summary: dict[str, Any] = manifest["details"].get("summary") or {}
+    return {**summary, "cached": True}
+
+
+def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> dict[str, Any]:
+    recipe = loaded.recipe
+    out = out_dir or recipe.output
+    if out is None:
+        raise UserError(f"{loaded.path}: no output directory; pass -o OUT_DIR or set 'output:' in the recipe")
+    if recipe.eval is not None and recipe.build is None:
+        raise UserError(f"{loaded.path}: 'eval' scores an engine; add a 'build:' section (it may be empty)")
+    resolved, sha = loaded.resolved(), loaded.sha256
+    previous_run = out.is_dir() and is_artifact(out) and read_manifest(out)["stage"] == "run"
+    previous = out if previous_run and not force else None
+    keys = _stage_keys(recipe)
+
+    def record(stage: str) -> StageRecord:
+        r = StageRecord(stage, recipe=resolved, recipe_sha256=sha)
+        r.details["cache_key"] = keys.get(stage)
+        return r
+
+    stages: dict[str, dict[str, Any]] = {}
+    run = record("run")
+    with atomic_dir(out, force or previous_run, inputs=(recipe.model.path,)) as tmp:
+        (tmp / "recipe.yaml").write_text(loaded.to_yaml())
+        runners: dict[str, Callable[[StageRecord], dict[str, Any]]] = {
+            "convert": lambda r: _convert(recipe, tmp, r),
+            "quantize": lambda r: _quantize(recipe, tmp, r),
+            "build": lambda r: _build(recipe, tmp, r),
+            "eval": lambda r: _eval(recipe, tmp, out, r),
+        }
+        for stage, key in keys.items():
+            cached = _reuse(previous, stage, key, tmp)
+            if cached is not None:
+                console.info(f"{stage}: unchanged (cache key {key[:12]}), reused")
+                stages[stage] = cached
+                continue
+            stage_record = record(stage)
+            result = runners[stage](stage_record)
+            stages[stage] = {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
+            _store_summary(tmp / STAGE_DIRS[stage], stages[stage])
+        ran = [s for s, r in stages.items() if not r.get("cached")]
+        if not ran:
+            console.info("nothing to do: every stage is unchanged")
+        run.add_inputs(loaded.path.parent, [loaded.path])
+        run.details.update(stages=list(stages), rerun=ran, recipe_file=str(loaded.path))
+        run.warnings += stages["convert"].get("warnings", [])
+        manifest = run.write(tmp)
+    passed = stages.get("eval", {}).get("passed", True)
+    return {
+        "output_dir": str(out.resolve()),
+        "recipe": str(loaded.path),
+        "recipe_sha256": sha,
+        "stages": stages,
+        "rerun": ran,
+        "passed": passed,
+        "outputs": manifest["outputs"],
+        "warnings": run.warnings,
+        "wall_time_s": manifest["wall_time_s"],
+    }
+
+
+def _store_summary(stage_dir: Path, summary: dict[str, Any]) -> None:
+    """Keep the stage's summary in its manifest, so that a cached stage reports what it did (the manifest's own
+    hashes cover files, not itself)."""
+    path = stage_dir / MANIFEST_NAME
+    manifest = json.loads(path.read_text())
+    slim = {k: v for k, v in summary.items() if k not in ("golden", "kld_histogram", "top1_by_position")}
+    manifest["details"]["summary"] = slim
+    path.write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+    return convert(
+        recipe.model.path,
+        tmp / "checkpoint",
+        dtype=recipe.model.dtype,
+        allow_pickle=recipe.model.allow_pickle,
+        tp=recipe.convert.tp,
+        pp=recipe.convert.pp,
+        workers=recipe.convert.workers,
+        record=record,
+    )
 
 
 def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
@@ -37,53 +186,27 @@ def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     return quantize_checkpoint(tmp / "checkpoint", tmp / "quantized", opts, q.eval_data, q.eval_tokens, record=record)
 
 
-def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> dict[str, Any]:
-    recipe = loaded.recipe
-    out = out_dir or recipe.output
-    if out is None:
-        raise UserError(f"{loaded.path}: no output directory; pass -o OUT_DIR or set 'output:' in the recipe")
-    for section in _RESERVED:
-        if section in recipe.model_fields_set:  # present at all, even as null: refused, never ignored
-            raise UserError(
-                f"{loaded.path}: section '{section}' is not supported by this version of trtbuild "
-                "(stages available: convert, quantize); remove it"
-            )
-    resolved, sha = loaded.resolved(), loaded.sha256
+def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+    b = recipe.build
+    assert b is not None
+    source = tmp / ("quantized" if recipe.quantize is not None else "checkpoint")
+    opts = BuildOptions(b.backend, b.max_batch_size, b.max_num_tokens, b.max_seq_len, b.tokens_per_block)
+    return build_engine(source, tmp / "engine", opts, record=record)
 
-    def record(stage: str) -> StageRecord:
-        return StageRecord(stage, recipe=resolved, recipe_sha256=sha)
 
-    run = record("run")
-    with atomic_dir(out, force, inputs=(recipe.model.path,)) as tmp:
-        (tmp / "recipe.yaml").write_text(loaded.to_yaml())
-        convert_record = record("convert")
-        converted = convert(
-            recipe.model.path,
-            tmp / "checkpoint",
-            dtype=recipe.model.dtype,
-            allow_pickle=recipe.model.allow_pickle,
-            tp=recipe.convert.tp,
-            pp=recipe.convert.pp,
-            workers=recipe.convert.workers,
-            record=convert_record,
-        )
-        stages = {"convert": converted}
-        if recipe.quantize is not None:
-            stages["quantize"] = _quantize(recipe, tmp, record("quantize"))
-        run.add_inputs(loaded.path.parent, [loaded.path])
-        run.inputs += convert_record.inputs  # already hashed by the stage
-        run.details.update(stages=list(stages), recipe_file=str(loaded.path))
-        run.warnings += converted["warnings"]
-        manifest = run.write(tmp)
-    return {
-        "output_dir": str(out.resolve()),
-        "recipe": str(loaded.path),
-        "recipe_sha256": sha,
-        "stages": {
-            name: {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
-            for name, result in stages.items()
-        },
-        "outputs": manifest["outputs"],
-        "warnings": run.warnings,
-        "wall_time_s": manifest["wall_time_s"],
-    }
+def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str, Any]:
+    e = recipe.eval
+    assert e is not None
+    gates = {k: v for k, v in e.gates.model_dump().items() if v is not None}
+    result = run_eval(
+        tmp / "engine",
+        tmp / "report",
+        recipe.model.path,
+        e.data,
+        e.max_tokens,
+        e.golden,
+        gates,
+        record=record,
+        engine_label=out.resolve() / STAGE_DIRS["build"],
+    )
+    return {k: v for k, v in result.items() if k not in ("kld_histogram", "top1_by_position", "report_dir")}

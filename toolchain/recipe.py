@@ -71,11 +71,36 @@ class QuantizeSection(_Section):
 
 
 class BuildSection(_Section):
-    """Reserved for the build stage (not implemented in this version)."""
+    """The build stage, as `trtbuild build`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data
+
+    backend: Literal["auto", "tensorrt", "onnxruntime"] = Field("auto", description="Engine backend")
+    max_batch_size: StrictInt = Field(16, ge=1, description="Sequences per engine call")
+    max_num_tokens: StrictInt = Field(2048, ge=1, description="Tokens per engine call")
+    max_seq_len: StrictInt = Field(0, ge=0, description="Longest sequence; 0: the model's max positions")
+    tokens_per_block: StrictInt = Field(16, ge=1, le=128, description="KV cache block size in tokens")
+
+
+class GatesSection(_Section):
+    """Quality gates: a value past its limit makes the run exit 3 (a regression, not an error)."""
+
+    kld_mean_max: StrictFloat | None = Field(None, ge=0, description="Largest acceptable mean KLD")
+    top1_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest acceptable same-top-1 fraction")
+    ppl_ratio_max: StrictFloat | None = Field(None, ge=0, description="Largest acceptable PPL(engine)/PPL(reference)")
+    golden_exact_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest golden exact-match rate")
 
 
 class EvalSection(_Section):
-    """Reserved for the eval stage (not implemented in this version)."""
+    """The eval stage, as `trtbuild eval`, against the recipe's model (transformers, float32)."""
+
+    data: Path = Field(description="Evaluation text (.txt / .jsonl); relative to the recipe")
+    max_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of data to score")
+    golden: Path | None = Field(None, description='JSONL of {"prompt", "max_new_tokens"}; relative to the recipe')
+    gates: GatesSection = Field(default_factory=GatesSection)
 
 
 class Recipe(_Section):
@@ -174,6 +199,11 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
                 "calib_data": resolve(q.calib_data) if q.calib_data else None,
                 "eval_data": resolve(q.eval_data) if q.eval_data else None,
             }
+        )
+    if recipe.eval is not None:
+        e = recipe.eval
+        update["eval"] = e.model_copy(
+            update={"data": resolve(e.data), "golden": resolve(e.golden) if e.golden else None}
         )
     return recipe.model_copy(update=update)
 

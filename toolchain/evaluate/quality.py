@@ -49,15 +49,6 @@ class QualityReport:
         ]
 
 
-@dataclass
-class _Sums:
-    nll_ref: list[torch.Tensor]
-    nll_var: list[torch.Tensor]
-    kld: list[torch.Tensor]
-    top1: list[torch.Tensor]
-    dp: list[torch.Tensor]
-
-
 def token_stats(ref_logits: torch.Tensor, var_logits: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """Per-position statistics in float64 (logits [..., vocab], targets [...])."""
     log_p = torch.log_softmax(ref_logits.double(), dim=-1)
@@ -73,25 +64,31 @@ def token_stats(ref_logits: torch.Tensor, var_logits: torch.Tensor, targets: tor
     }
 
 
-def compare(reference: LogitsFn, variant: LogitsFn, tokens: torch.Tensor, window: int, batch: int = 8) -> QualityReport:
-    """Score every token but the first of each non-overlapping `window`-token slice of `tokens`."""
+def collect(
+    reference: LogitsFn, variant: LogitsFn, tokens: torch.Tensor, window: int, batch: int = 8
+) -> dict[str, torch.Tensor]:
+    """Per-token statistics [windows, window - 1] over every non-overlapping `window`-token slice of `tokens`
+    (each slice's first token is context only)."""
     count = tokens.numel() // window
     if count == 0:
         raise ValueError(f"{tokens.numel()} tokens are fewer than one window of {window}")
     windows = tokens[: count * window].view(count, window)
-    sums = _Sums([], [], [], [], [])
+    parts: dict[str, list[torch.Tensor]] = {}
     for start in range(0, count, batch):
         ids = windows[start : start + batch]
         stats = token_stats(reference(ids)[:, :-1], variant(ids)[:, :-1], ids[:, 1:])
         for key, value in stats.items():
-            getattr(sums, key).append(value.reshape(-1))
-    nll_ref, nll_var = torch.cat(sums.nll_ref), torch.cat(sums.nll_var)
-    kld, dp = torch.cat(sums.kld), torch.cat(sums.dp)
+            parts.setdefault(key, []).append(value)
+    return {key: torch.cat(values) for key, values in parts.items()}
+
+
+def summarize(stats: dict[str, torch.Tensor]) -> QualityReport:
+    kld, dp = stats["kld"].reshape(-1), stats["dp"].reshape(-1)
     q = torch.quantile(kld.float(), torch.tensor([0.5, 0.9, 0.99])).tolist()
-    ppl_ref, ppl_var = math.exp(nll_ref.mean().item()), math.exp(nll_var.mean().item())
+    ppl_ref, ppl_var = math.exp(stats["nll_ref"].mean().item()), math.exp(stats["nll_var"].mean().item())
     return QualityReport(
         tokens=kld.numel(),
-        windows=count,
+        windows=stats["kld"].shape[0],
         ppl_reference=ppl_ref,
         ppl_variant=ppl_var,
         ppl_ratio=ppl_var / ppl_ref,
@@ -100,7 +97,12 @@ def compare(reference: LogitsFn, variant: LogitsFn, tokens: torch.Tensor, window
         kld_p90=q[1],
         kld_p99=q[2],
         kld_max=kld.max().item(),
-        same_top1=torch.cat(sums.top1).mean().item(),
+        same_top1=stats["top1"].mean().item(),
         dp_mean=dp.mean().item(),
         dp_rms=dp.pow(2).mean().sqrt().item(),
     )
+
+
+def compare(reference: LogitsFn, variant: LogitsFn, tokens: torch.Tensor, window: int, batch: int = 8) -> QualityReport:
+    """Score every token but the first of each non-overlapping `window`-token slice of `tokens`."""
+    return summarize(collect(reference, variant, tokens, window, batch))

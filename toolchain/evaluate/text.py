@@ -43,6 +43,7 @@ def tokenize(path: Path, tokenizer_dir: Path, max_tokens: int | None = None) -> 
         raise UserError(
             f"{tokenizer_dir}: no usable tokenizer ({type(e).__name__}); convert a model that has one"
         ) from e
+    tokenizer.model_max_length = 1 << 62  # we cut the ids into windows ourselves; silences the length warning
     text = read_text(path)
     if max_tokens:
         # Tokenize a prefix generous enough for max_tokens (a token is rarely over 16 characters) rather than a

@@ -111,8 +111,10 @@ def _quantize_linear(
     }
 
 
-def _calibration(source: Path, opts: QuantizeOptions, model: ReferenceModel) -> tuple[Calibration, dict[str, Any]]:
-    if not opts.needs_calibration:
+def _calibration(
+    source: Path, opts: QuantizeOptions, model: ReferenceModel | None
+) -> tuple[Calibration, dict[str, Any]]:
+    if model is None or not opts.needs_calibration:
         return Calibration(), {}
     if opts.calib_data is None:
         raise UserError(
@@ -146,10 +148,12 @@ def quantize_checkpoint(
     if cfg.mapping.world_size != 1:
         raise UserError(f"{source} has {cfg.mapping.world_size} ranks; quantize a tp=1 pp=1 checkpoint")
     weights = load_rank(source, 0)
-    model = ReferenceModel(cfg, weights)
+    linears = quantizable(weights)
+    chosen = [p for p in linears if not excluded(p, opts.exclude)]
+    # The float reference (a float32 copy of the weights) only when calibration or evaluation needs it
+    model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
     calib, calib_info = _calibration(source, opts, model)
-    out: dict[str, torch.Tensor] = dict(weights)
-    chosen = [p for p in quantizable(weights) if not excluded(p, opts.exclude)]
+    out = weights  # quantized in place: each float weight is released once its codes replace it
     if opts.method == "w8a8_sq":
         for i in range(cfg.num_hidden_layers):
             prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
@@ -167,7 +171,7 @@ def quantize_checkpoint(
         group_size=opts.group_size,
         smoothquant_val=opts.sq_alpha,
         pre_quant_scale=opts.method in ("w4a16_awq", "w8a8_sq"),
-        exclude_modules=sorted(set(quantizable(weights)) - set(chosen) | {"transformer.vocab_embedding"}),
+        exclude_modules=sorted(set(linears) - set(chosen) | {"transformer.vocab_embedding"}),
     )
     qcfg = dataclasses.replace(cfg, quantization=quant)
     record = record or StageRecord("quantize")
@@ -190,7 +194,7 @@ def quantize_checkpoint(
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)
-        report = _quality(source, tmp, model, eval_data, eval_tokens) if eval_data else None
+        report = _quality(source, tmp, model, eval_data, eval_tokens) if model and eval_data else None
         if report:
             record.details["quality"] = report.to_dict()
         manifest = record.write(tmp)

@@ -1,0 +1,207 @@
+"""The CPU engine (engine graph in ONNX Runtime + reference plugin op) against transformers, against itself under
+in-flight batching, and against the quantize stage's fake-quant reference; `trtbuild build` behaviour."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from conftest import one_line_error, save_random_llama
+from test_convert_llama import CONFIGS
+from test_families import FAMILIES, save_random
+from test_quantize import WIKI
+from transformers import AutoModelForCausalLM
+
+from toolchain.checkpoint.convert import convert
+from toolchain.engine.build import BuildOptions, build_engine
+from toolchain.engine.contract import Batch
+from toolchain.engine.ort_backend import OrtEngine
+from toolchain.engine.runner import load_engine
+from toolchain.quantize.fake import load_quantized
+from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
+
+TPB = 4  # small blocks so that short test sequences span several, with partial last blocks
+
+
+def build(ckpt: Path, out: Path, **kw: Any) -> OrtEngine:
+    build_engine(ckpt, out, BuildOptions(backend="onnxruntime", tokens_per_block=TPB, max_batch_size=4, **kw))
+    return load_engine(out)
+
+
+def run_alone(engine: OrtEngine, ids: list[int], blocks: int = 32) -> np.ndarray:
+    """Every position's logits of one sequence in one prefill call, blocks in shuffled order."""
+    pool = engine.new_kv_cache(blocks)
+    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(ids))).tolist()
+    return engine.forward(Batch.from_sequences([ids], [0], [order[: -(-len(ids) // TPB)]], all_logits=True), pool)
+
+
+def hf_logits(hf_dir: Path, ids: list[int]) -> np.ndarray:
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
+    assert np.abs(got - expected).max() < 1e-4
+    assert (got.argmax(-1) == expected.argmax(-1)).all()
+
+
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    **{f"llama-{k}": ("llama", v) for k, v in CONFIGS.items() if k in ("gqa-4to1", "llama3-rope", "biases")},
+    **FAMILIES,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_cpu_engine_matches_transformers(name: str, tmp_path: Path) -> None:
+    arch, overrides = CASES[name]
+    hf = tmp_path / "hf"
+    save_random_llama(hf, **overrides) if arch == "llama" else save_random(hf, arch, **overrides)
+    convert(hf, tmp_path / "ckpt")
+    engine = build(tmp_path / "ckpt", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert_matches(run_alone(engine, ids), hf_logits(hf, ids))
+
+
+def test_stories260k_engine_matches_transformers(stories: Path, tmp_path: Path) -> None:
+    convert(stories, tmp_path / "ckpt")
+    engine = build(tmp_path / "ckpt", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (120,), generator=torch.Generator().manual_seed(3)).tolist()
+    assert_matches(run_alone(engine, ids), hf_logits(stories, ids))
+
+
+@pytest.fixture(scope="module")
+def gqa_engine(tmp_path_factory: pytest.TempPathFactory) -> OrtEngine:
+    tmp = tmp_path_factory.mktemp("gqa")
+    convert(save_random_llama(tmp / "hf", num_attention_heads=8, num_key_value_heads=2), tmp / "ckpt")
+    return build(tmp / "ckpt", tmp / "engine")
+
+
+def test_prefill_then_decode_equals_full_sequence(gqa_engine: OrtEngine) -> None:
+    ids = torch.randint(0, gqa_engine.vocab_size, (23,), generator=torch.Generator().manual_seed(4)).tolist()
+    full = run_alone(gqa_engine, ids)
+    pool, blocks = gqa_engine.new_kv_cache(16), [9, 3, 14, 0, 7, 11]
+    got = [gqa_engine.forward(Batch.from_sequences([ids[:10]], [0], [blocks], all_logits=True), pool)]
+    for p in range(10, len(ids)):  # one token per call, after the cached prefix
+        got.append(gqa_engine.forward(Batch.from_sequences([[ids[p]]], [p], [blocks]), pool))
+    np.testing.assert_allclose(np.concatenate(got), full, rtol=0, atol=1e-4)
+
+
+def test_mixed_batch_equals_each_sequence_alone(gqa_engine: OrtEngine) -> None:
+    """One call: two prefill chunks (one a later chunk after a cached first one) and three decode steps, in
+    shuffled non-contiguous blocks with partial last blocks, equals running each sequence by itself."""
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, gqa_engine.vocab_size, (n,), generator=gen).tolist() for n in (9, 14, 6, 11, 17)]
+    cached = [0, 5, 5, 10, 16]  # tokens already in the cache before the mixed call
+    perm = torch.randperm(40, generator=gen).tolist()
+    tables, at = [], 0
+    for s in seqs:
+        tables.append(perm[at : at + -(-len(s) // TPB)])
+        at += len(tables[-1])
+    pool = gqa_engine.new_kv_cache(40)
+    for s, c, t in zip(seqs, cached, tables, strict=True):  # fill each sequence's cached prefix
+        if c:
+            gqa_engine.forward(Batch.from_sequences([s[:c]], [0], [t]), pool)
+    mixed = Batch.from_sequences([s[c:] for s, c in zip(seqs, cached, strict=True)], cached, tables, all_logits=True)
+    assert mixed.new_lens.tolist() == [9, 9, 1, 1, 1]
+    got = gqa_engine.forward(mixed, pool)
+    starts = np.cumsum([0, *mixed.new_lens.tolist()])
+    for k, (s, c) in enumerate(zip(seqs, cached, strict=True)):
+        np.testing.assert_allclose(got[starts[k] : starts[k + 1]], run_alone(gqa_engine, s)[c:], rtol=0, atol=1e-4)
+
+
+def test_kv_pool_is_written_in_place_and_only_at_the_new_slots(gqa_engine: OrtEngine) -> None:
+    """No copy of the pool: the caller's tensor (same storage) holds the new K/V afterwards, and nothing but the
+    slots of the call's tokens changed — cost per call does not depend on the pool's size."""
+    pool = gqa_engine.new_kv_cache(64)
+    pool.fill_(3.0)
+    before, address = pool.clone(), pool.data_ptr()
+    gqa_engine.forward(Batch.from_sequences([[1, 2, 3, 4, 5, 6]], [0], [[40, 7]]), pool)
+    assert pool.data_ptr() == address
+    changed = (pool != before).any(dim=(0, 2, 3, 5))  # [blocks, slot]
+    expected = torch.zeros_like(changed)
+    expected[40, :4] = True
+    expected[7, :2] = True
+    assert torch.equal(changed, expected)
+
+
+METHODS = [
+    ("w8a16", "none", 128),
+    ("w4a16", "none", 64),  # intermediate 172 padded to 192: the Slice after the blocked DequantizeLinear
+    ("w4a16_awq", "none", 32),
+    ("w8a8_sq", "int8", 128),
+    ("fp8", "fp8", 128),
+]
+
+
+@pytest.mark.parametrize(("method", "kv", "group"), METHODS)
+def test_quantized_engine_equals_fake_quant_reference(
+    method: str, kv: str, group: int, stories: Path, tmp_path: Path
+) -> None:
+    convert(stories, tmp_path / "ckpt")
+    opts = QuantizeOptions(method, kv, group, calib_data=WIKI / "valid.txt", calib_samples=4, calib_seq_len=64)
+    quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", opts)
+    engine = build(tmp_path / "q", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (70,), generator=torch.Generator().manual_seed(6)).tolist()
+    expected = load_quantized(tmp_path / "q").forward(torch.tensor([ids]))[0].numpy()
+    got = run_alone(engine, ids)
+    assert np.abs(got - expected).max() < 1e-4
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() == 1.0
+    ops = {n.op_type for n in onnx.load(str(tmp_path / "engine" / "model.onnx")).graph.node}
+    assert "DequantizeLinear" in ops and ("QuantizeLinear" in ops) == (method in ("w8a8_sq", "fp8"))
+
+
+def test_build_is_deterministic_and_checked(gqa_engine: OrtEngine, make_llama: Any, tmp_path: Path) -> None:
+    convert(make_llama(), tmp_path / "ckpt")
+    for out in ("a", "b"):
+        build_engine(tmp_path / "ckpt", tmp_path / out, BuildOptions(backend="onnxruntime"))
+    assert (tmp_path / "a" / "model.onnx").read_bytes() == (tmp_path / "b" / "model.onnx").read_bytes()
+    model = onnx.load(str(tmp_path / "a" / "model.onnx"))
+    onnx.checker.check_model(model, full_check=True)
+    onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    attention = [n for n in model.graph.node if n.domain == "trtbuild"]
+    assert len(attention) == 2 and {n.op_type for n in attention} == {"PagedAttention"}
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention[1].attribute}
+    assert attrs["layer"] == 1 and attrs["num_kv_heads"] == 2 and attrs["tokens_per_block"] == 16
+
+
+def test_build_cli(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    convert(make_llama(), tmp_path / "ckpt")
+    result = cli("build", tmp_path / "ckpt", "-o", tmp_path / "trt", "--backend", "tensorrt")
+    assert result.exit_code == 1 and "--backend tensorrt" in one_line_error(result)
+    assert not (tmp_path / "trt").exists()
+    result = cli("build", tmp_path / "ckpt", "-o", tmp_path / "engine", "--json", "--max-seq-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "building the CPU engine" in result.stderr
+    out = json.loads(result.stdout)
+    assert out["backend"] == "onnxruntime" and out["limits"]["max_blocks_per_seq"] == 4
+    manifest = json.loads((tmp_path / "engine" / "manifest.json").read_text())
+    assert manifest["stage"] == "build" and any("CPU engine" in w for w in manifest["warnings"])
+    assert {e["path"] for e in manifest["outputs"]} >= {"model.onnx", "build_config.json"}
+    result = cli("build", tmp_path / "ckpt", "-o", tmp_path / "e2", "--max-seq-len", "100000")
+    assert result.exit_code == 1 and "max_position_embeddings" in one_line_error(result)
+    result = cli("build", tmp_path / "nope", "-o", tmp_path / "e3")
+    assert result.exit_code == 1 and "nope" in one_line_error(result)
+
+
+def test_engine_from_another_machine_is_refused_naming_both_sides(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    from toolchain.errors import UserError
+
+    convert(make_llama(), tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "e", BuildOptions(backend="onnxruntime"))
+    inspected = cli("inspect", tmp_path / "e", "--json")
+    assert json.loads(inspected.stdout)["engine"]["backend"] == "onnxruntime"
+    path = tmp_path / "e" / "build_config.json"
+    config = json.loads(path.read_text())
+    config["backend"] = "tensorrt"  # as if built by TensorRT 10.13 on an H200
+    config["compatibility"] = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
+    path.write_text(json.dumps(config))
+    with pytest.raises(UserError, match=r"tensorrt 10\.13\.0 \(NVIDIA H200\), this machine has None"):
+        load_engine(tmp_path / "e")
+    assert "built with    TensorRT 10.13.0, GPU NVIDIA H200 (SM 90)" in cli("inspect", tmp_path / "e").stdout
+    load_engine(tmp_path / "e", backend="onnxruntime")  # its ONNX graph still runs on the CPU

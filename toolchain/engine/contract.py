@@ -1,0 +1,102 @@
+"""The engine I/O contract: the one definition of what an engine takes and returns, used by ONNX export, both
+backends and the runtime.
+
+A call carries a packed batch — no padding — so prefill chunks and decode steps of different sequences share one
+call (in-flight batching). Sequence s owns tokens [cu[s], cu[s] + new_lens[s]) of the packed arrays, where cu is
+the exclusive prefix sum of new_lens; it already has context_lens[s] tokens in the KV cache, so its new tokens sit
+at positions context_lens[s] .. context_lens[s] + new_lens[s] - 1.
+
+The KV cache is ONE pool for all layers, [layers, blocks, 2 (K, V), kv_heads, tokens_per_block, head_size]: one
+binding. Each attention node reads it and writes the new tokens' K (after rotary) and V into it; the graph
+threads it from layer to layer (`kv_cache` -> ... -> `present_kv_cache`), which orders the writes, and the
+executor binds input and output to the same memory, so nothing copies the pool (TensorRT-Edge-LLM binds past
+and present KV at one address rather than declaring plugin aliasing, which made TensorRT copy the pool). Token
+position p of sequence s lives in block block_tables[s, p // tokens_per_block], slot p % tokens_per_block.
+
+`logits_index` picks the rows of the packed hidden states that reach lm_head: each sequence's last new token for
+generation (num_outputs = num_seqs), every token for evaluation (num_outputs = num_tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+CONTRACT_VERSION = 1
+PLUGIN_DOMAIN = "trtbuild"  # the plugins' namespace: ONNX custom-op domain and TensorRT plugin namespace
+ATTENTION_OP = "PagedAttention"  # the plugin's name: ONNX op_type and TensorRT plugin name
+
+# name -> (ONNX element type, symbolic shape); dims named here are dynamic in the graph
+INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "input_ids": ("int32", ("num_tokens",)),
+    "position_ids": ("int32", ("num_tokens",)),
+    "context_lens": ("int32", ("num_seqs",)),
+    "new_lens": ("int32", ("num_seqs",)),
+    "block_tables": ("int32", ("num_seqs", "max_blocks_per_seq")),
+    "logits_index": ("int32", ("num_outputs",)),
+    "kv_cache": ("kv", ("num_layers", "num_blocks", "2", "num_kv_heads", "tokens_per_block", "head_size")),
+}
+OUTPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "logits": ("float32", ("num_outputs", "vocab_size")),
+    "present_kv_cache": ("kv", ("num_layers", "num_blocks", "2", "num_kv_heads", "tokens_per_block", "head_size")),
+}
+KV_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "fp8": torch.float8_e4m3fn,
+}
+
+
+@dataclass
+class Batch:
+    """One engine call's inputs (the KV pool is held by the caller and passed alongside)."""
+
+    input_ids: np.ndarray
+    position_ids: np.ndarray
+    context_lens: np.ndarray
+    new_lens: np.ndarray
+    block_tables: np.ndarray
+    logits_index: np.ndarray
+
+    def check(self, tokens_per_block: int) -> None:
+        n, s = self.input_ids.shape[0], self.context_lens.shape[0]
+        if self.position_ids.shape != (n,) or self.new_lens.shape != (s,) or self.block_tables.shape[0] != s:
+            raise ValueError("batch arrays disagree on num_tokens / num_seqs")
+        if int(self.new_lens.sum()) != n:
+            raise ValueError(f"new_lens sum to {int(self.new_lens.sum())}, not num_tokens {n}")
+        needed = -(-(self.context_lens + self.new_lens) // tokens_per_block)
+        if s and int(needed.max()) > self.block_tables.shape[1]:
+            raise ValueError("a sequence needs more blocks than block_tables has columns")
+        if self.logits_index.size and not (self.logits_index.min() >= 0 and self.logits_index.max() < n):
+            raise ValueError("logits_index out of range")
+
+    @staticmethod
+    def from_sequences(
+        new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]], all_logits: bool = False
+    ) -> Batch:
+        """Pack per-sequence new tokens (each after `context_lens[s]` cached ones) into one call."""
+        new_lens = np.array([len(t) for t in new_tokens], dtype=np.int32)
+        ctx = np.array(context_lens, dtype=np.int32)
+        ids = np.array([t for seq in new_tokens for t in seq], dtype=np.int32)
+        pos = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in zip(ctx, new_lens, strict=True)])
+        width = max((len(b) for b in block_tables), default=0)
+        tables = np.zeros((len(block_tables), max(width, 1)), dtype=np.int32)
+        for s, blocks in enumerate(block_tables):
+            tables[s, : len(blocks)] = blocks
+        last = np.cumsum(new_lens) - 1
+        index = np.arange(ids.shape[0], dtype=np.int32) if all_logits else last.astype(np.int32)
+        return Batch(ids, pos, ctx, new_lens, tables, index)
+
+    def feeds(self) -> dict[str, np.ndarray]:
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "context_lens": self.context_lens,
+            "new_lens": self.new_lens,
+            "block_tables": self.block_tables,
+            "logits_index": self.logits_index,
+        }

@@ -1,0 +1,330 @@
+"""ONNX export of a (quantized) TensorRT-LLM checkpoint as the engine graph of contract.py.
+
+Standard ONNX ops for embedding, norms, MLP and lm_head over packed 2-D activations [num_tokens, hidden];
+explicit quantization as QuantizeLinear / DequantizeLinear pairs that say exactly what the quantize stage
+computed (int8 weights per output channel, int4 weights in blocks along the input, fp8 weights per tensor, int8 /
+fp8 activations per tensor, the pre-quantization scale as a Mul); attention as one `trtbuild::PagedAttention` node
+per layer whose attributes are the plugin's fields (ops.py). TensorRT builds this graph strongly typed; the CPU
+engine runs it with ONNX Runtime and our reference op.
+
+Names and order are fixed by the checkpoint alone, so the same checkpoint gives the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import onnx
+import torch
+from onnx import TensorProto, helper
+
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN
+from toolchain.engine.ops import AttentionAttrs
+from toolchain.errors import UserError
+from toolchain.quantize.core import unpack_int4
+from toolchain.quantize.scheme import ACTIVATION_KIND, in_features
+
+OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
+EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
+
+ONNX_TYPES: dict[torch.dtype, int] = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.bfloat16: TensorProto.BFLOAT16,
+    torch.int8: TensorProto.INT8,
+    torch.int32: TensorProto.INT32,
+    torch.int64: TensorProto.INT64,
+    torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
+}
+KV_ONNX = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
+
+
+def tensor_proto(name: str, t: torch.Tensor) -> TensorProto:
+    """Raw little-endian bytes, any dtype torch has (bf16 and fp8 included, which numpy lacks)."""
+    proto = TensorProto(name=name, data_type=ONNX_TYPES[t.dtype], dims=list(t.shape))
+    proto.raw_data = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return proto
+
+
+def int4_proto(name: str, codes: torch.Tensor) -> TensorProto:
+    """int4 codes (int8 tensor, values -8..7) in ONNX's packing: consecutive elements in row-major order share a
+    byte, the first in the low nibble (onnx.helper.make_tensor's int4 rule)."""
+    flat = codes.reshape(-1).to(torch.int16) & 0xF
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    packed = (flat[0::2] | (flat[1::2] << 4)).to(torch.uint8)
+    proto = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(codes.shape))
+    proto.raw_data = packed.numpy().tobytes()
+    return proto
+
+
+class _Builder:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.onnx_dtype = ONNX_TYPES[dtype]
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[TensorProto] = []
+        self.value_info: list[onnx.ValueInfoProto] = []
+        self._names: set[str] = set()
+        self._count = 0
+
+    def const(self, name: str, t: torch.Tensor) -> str:
+        assert name not in self._names, name
+        self._names.add(name)
+        self.initializers.append(tensor_proto(name, t))
+        return name
+
+    def float_const(self, name: str, t: torch.Tensor) -> str:
+        return self.const(name, t.to(self.dtype))
+
+    def node(
+        self, op: str, inputs: list[str], name: str, outputs: int = 1, domain: str = "", **attrs: Any
+    ) -> list[str]:
+        self._count += 1
+        outs = [f"{name}" if outputs == 1 else f"{name}:{i}" for i in range(outputs)]
+        self.nodes.append(helper.make_node(op, inputs, outs, name=f"{name}/{op}", domain=domain, **attrs))
+        return outs
+
+    def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str:
+        return self.node(op, inputs, name, **attrs)[0]
+
+
+class _Exporter:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, tokens_per_block: int):
+        self.cfg, self.w, self.b = cfg, weights, _Builder(dtype)
+        self.tokens_per_block = tokens_per_block
+        q = cfg.quantization
+        self.algo = q.quant_algo
+        self.group_size = q.group_size
+        self.kv_dtype = {"INT8": "int8", "FP8": "fp8"}.get(q.kv_cache_quant_algo or "", _DTYPE_NAMES[dtype])
+        b = self.b
+        self.eps = b.float_const("norm_epsilon", torch.tensor(cfg.norm_epsilon))
+        self.last_axis = b.const("axis_last", torch.tensor([-1], dtype=torch.int64))
+
+    # -- building blocks --------------------------------------------------------------------------------------
+    def norm(self, x: str, prefix: str, out: str) -> str:
+        b, w = self.b, self.w
+        weight = b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
+        if f"{prefix}.bias" in w:  # LayerNorm (GPT-2)
+            bias = b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"])
+            return b.op("LayerNormalization", [x, weight, bias], out, axis=-1, epsilon=self.cfg.norm_epsilon)
+        # RMSNorm, x * 1/sqrt(mean(x²) + eps) * weight, in primitive ops every backend has
+        square = b.op("Mul", [x, x], f"{out}.square")
+        mean = b.op("ReduceMean", [square, self.last_axis], f"{out}.mean", keepdims=1)
+        rms = b.op("Sqrt", [b.op("Add", [mean, self.eps], f"{out}.var_eps")], f"{out}.rms")
+        return b.op("Mul", [b.op("Div", [x, rms], f"{out}.normed"), weight], out)
+
+    def _zero_point(self, kind: str) -> str:
+        name = f"zero_point_{kind.lower()}"
+        if name not in self.b._names:
+            self.b.const(name, torch.zeros((), dtype=torch.int8 if kind == "INT8" else torch.float8_e4m3fn))
+        return name
+
+    def _weight(self, prefix: str) -> str:
+        b, w = self.b, self.w
+        if f"{prefix}.weights_scaling_factor" not in w:
+            return b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
+        scale = w[f"{prefix}.weights_scaling_factor"].to(self.b.dtype)
+        codes = w[f"{prefix}.weight"]
+        if self.algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
+            sname = b.const(f"{prefix}.weights_scaling_factor", scale)
+            return b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq", axis=0)
+        if self.algo == "FP8":
+            sname = b.const(f"{prefix}.weights_scaling_factor", scale.reshape(()))
+            return b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq")
+        if self.algo in ("W4A16", "W4A16_AWQ"):
+            unpacked = unpack_int4(codes)  # [out, in padded to whole groups]
+            b._names.add(f"{prefix}.weight")
+            b.initializers.append(int4_proto(f"{prefix}.weight", unpacked))
+            sname = b.const(f"{prefix}.weights_scaling_factor", scale)
+            dq = b.op(
+                "DequantizeLinear",
+                [f"{prefix}.weight", sname],
+                f"{prefix}.weight_dq",
+                axis=1,
+                block_size=self.group_size,
+            )
+            k = in_features(self.cfg, prefix)
+            if unpacked.shape[1] == k:
+                return dq
+            starts = b.const(f"{prefix}.slice_starts", torch.tensor([0], dtype=torch.int64))
+            ends = b.const(f"{prefix}.slice_ends", torch.tensor([k], dtype=torch.int64))
+            axes = b.const(f"{prefix}.slice_axes", torch.tensor([1], dtype=torch.int64))
+            return b.op("Slice", [dq, starts, ends, axes], f"{prefix}.weight_dq_cut")  # the zero-padded K
+        raise UserError(f"quant_algo {self.algo!r} has no ONNX export")
+
+    def linear(self, x: str, prefix: str) -> str:
+        b, w = self.b, self.w
+        if f"{prefix}.prequant_scaling_factor" in w:
+            pre = b.float_const(f"{prefix}.prequant_scaling_factor", w[f"{prefix}.prequant_scaling_factor"])
+            x = b.op("Mul", [x, pre], f"{prefix}.input_prequant")
+        if f"{prefix}.activation_scaling_factor" in w and self.algo in ACTIVATION_KIND:
+            kind = ACTIVATION_KIND[self.algo]
+            scale = b.float_const(
+                f"{prefix}.activation_scaling_factor", w[f"{prefix}.activation_scaling_factor"].reshape(())
+            )
+            q = b.op("QuantizeLinear", [x, scale, self._zero_point(kind)], f"{prefix}.input_q")
+            x = b.op("DequantizeLinear", [q, scale], f"{prefix}.input_dq")
+        inputs = [x, self._weight(prefix)]
+        if f"{prefix}.bias" in w:
+            inputs.append(b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"]))
+        return b.op("Gemm", inputs, f"{prefix}.out", transB=1)
+
+    def activation(self, x: str, name: str) -> str:
+        b, act = self.b, self.cfg.hidden_act
+        if act in ("silu", "swiglu"):
+            return b.op("Mul", [x, b.op("Sigmoid", [x], f"{name}.sigmoid")], name)
+        if act == "relu":
+            return b.op("Relu", [x], name)
+        if act in ("gelu", "gelu_new", "gelu_pytorch_tanh"):  # TensorRT-LLM's gelu is the tanh approximation
+            return b.op("Gelu", [x], name, approximate="tanh")
+        raise UserError(f"hidden_act {act!r} has no ONNX export")
+
+    def qk_norm(self, qkv: str, layer: str) -> str:
+        """Qwen3's per-head RMSNorm of q and k, before the plugin applies rotary."""
+        c, b = self.cfg, self.b
+        h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_size
+        sizes = b.const(f"{layer}.qkv_sizes", torch.tensor([h * d, kv * d, kv * d], dtype=torch.int64))
+        q, k, v = b.node("Split", [qkv, sizes], f"{layer}.qkv_split", outputs=3, axis=1)
+        parts = []
+        for part, heads, norm in ((q, h, "q_layernorm"), (k, kv, "k_layernorm")):
+            shape = b.const(f"{layer}.{norm}.heads", torch.tensor([-1, heads, d], dtype=torch.int64))
+            flat = b.const(f"{layer}.{norm}.flat", torch.tensor([-1, heads * d], dtype=torch.int64))
+            x = b.op("Reshape", [part, shape], f"{layer}.{norm}.in")
+            parts.append(
+                b.op(
+                    "Reshape",
+                    [self.norm(x, f"{layer}.attention.{norm}", f"{layer}.{norm}.out"), flat],
+                    f"{layer}.{norm}.flat_out",
+                )
+            )
+        return b.op("Concat", [*parts, v], f"{layer}.qkv_normed", axis=1)
+
+    def attention_attrs(self, i: int) -> AttentionAttrs:
+        c = self.cfg
+        scaling = c.rotary_scaling or {}
+        kind = scaling.get("rope_type", scaling.get("type", "none"))
+        kv_scale = 1.0
+        if self.kv_dtype in KV_ONNX:
+            kv_scale = float(self.w[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].reshape(-1)[0])
+        return AttentionAttrs(
+            layer=i,
+            num_heads=c.num_attention_heads,
+            num_kv_heads=c.num_key_value_heads,
+            head_size=c.head_size,
+            tokens_per_block=self.tokens_per_block,
+            rotary_style="none" if c.position_embedding_type == "learned_absolute" else "neox",
+            rotary_base=float(c.rotary_base),
+            rotary_scaling_type="none" if kind == "default" else kind,
+            rotary_scaling_factor=float(scaling.get("factor", 1.0)),
+            rotary_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+            rotary_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+            rotary_original_max_positions=int(scaling.get("original_max_position_embeddings", 8192)),
+            sliding_window=c.sliding_window or 0,
+            kv_cache_dtype=self.kv_dtype,
+            kv_scale=kv_scale,
+        )
+
+    # -- the graph --------------------------------------------------------------------------------------------
+    def graph(self) -> onnx.ModelProto:
+        c, b = self.cfg, self.b
+        embed = b.float_const("transformer.vocab_embedding.weight", self.w["transformer.vocab_embedding.weight"])
+        h = b.op("Gather", [embed, "input_ids"], "embedding", axis=0)
+        if c.position_embedding_type == "learned_absolute":
+            pos = b.float_const(
+                "transformer.position_embedding.weight", self.w["transformer.position_embedding.weight"]
+            )
+            h = b.op("Add", [h, b.op("Gather", [pos, "position_ids"], "position_embedding", axis=0)], "embedded")
+        kv = "kv_cache"
+        q_dim = c.num_attention_heads * c.head_size
+        for i in range(c.num_hidden_layers):
+            layer = f"transformer.layers.{i}"
+            x = self.norm(h, f"{layer}.input_layernorm", f"{layer}.input_layernorm.out")
+            qkv = self.linear(x, f"{layer}.attention.qkv")
+            if c.qk_layernorm:
+                qkv = self.qk_norm(qkv, layer)
+            kv_out = "present_kv_cache" if i == c.num_hidden_layers - 1 else f"{layer}.present_kv_cache"
+            attrs = self.attention_attrs(i).to_attributes()
+            b.nodes.append(
+                helper.make_node(
+                    ATTENTION_OP,
+                    [qkv, "position_ids", "context_lens", "new_lens", "block_tables", kv],
+                    [f"{layer}.attention.out", kv_out],
+                    name=f"{layer}.attention/{ATTENTION_OP}",
+                    domain=PLUGIN_DOMAIN,
+                    **attrs,
+                )
+            )
+            b.value_info.append(
+                helper.make_tensor_value_info(f"{layer}.attention.out", b.onnx_dtype, ["num_tokens", q_dim])
+            )
+            if kv_out != "present_kv_cache":
+                b.value_info.append(self._kv_value_info(kv_out))
+            kv = kv_out
+            h = b.op(
+                "Add", [h, self.linear(f"{layer}.attention.out", f"{layer}.attention.dense")], f"{layer}.attn_residual"
+            )
+            x = self.norm(h, f"{layer}.post_layernorm", f"{layer}.post_layernorm.out")
+            m = self.activation(self.linear(x, f"{layer}.mlp.fc"), f"{layer}.mlp.act")
+            if f"{layer}.mlp.gate.weight" in self.w:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+                m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate")], f"{layer}.mlp.gated")
+            h = b.op("Add", [h, self.linear(m, f"{layer}.mlp.proj")], f"{layer}.mlp_residual")
+        picked = b.op("Gather", [h, "logits_index"], "logits_rows", axis=0)
+        logits = self.linear(self.norm(picked, "transformer.ln_f", "transformer.ln_f.out"), "lm_head")
+        if b.onnx_dtype != TensorProto.FLOAT:
+            logits = b.op("Cast", [logits], "logits_float", to=TensorProto.FLOAT)
+        b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits/Identity"))
+        inputs = [self._io(name, spec) for name, spec in INPUTS.items()]
+        outputs = [self._io(name, spec) for name, spec in OUTPUTS.items()]
+        graph = helper.make_graph(b.nodes, "trtbuild_engine", inputs, outputs, b.initializers, value_info=b.value_info)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
+            ir_version=10,
+            producer_name="trtbuild",
+        )
+        return model
+
+    def _kv_elem(self) -> int:
+        return KV_ONNX.get(self.kv_dtype, self.b.onnx_dtype)
+
+    def _kv_value_info(self, name: str) -> onnx.ValueInfoProto:
+        return helper.make_tensor_value_info(name, self._kv_elem(), list(self._kv_shape()))
+
+    def _kv_shape(self) -> tuple[int | str, ...]:
+        c = self.cfg
+        return (c.num_hidden_layers, "num_blocks", 2, c.num_key_value_heads, self.tokens_per_block, c.head_size)
+
+    def _io(self, name: str, spec: tuple[str, tuple[str, ...]]) -> onnx.ValueInfoProto:
+        elem, dims = spec
+        if elem == "kv":
+            return self._kv_value_info(name)
+        if name == "logits":
+            return helper.make_tensor_value_info(name, TensorProto.FLOAT, ["num_outputs", self.cfg.vocab_size])
+        return helper.make_tensor_value_info(name, TensorProto.INT32, list(dims))
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def export_model(
+    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, tokens_per_block: int
+) -> onnx.ModelProto:
+    if dtype not in _DTYPE_NAMES:
+        raise UserError(f"engine dtype {dtype} not supported; choose float32, float16 or bfloat16")
+    return _Exporter(cfg, weights, dtype, tokens_per_block).graph()
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
+    """model.onnx, with its weights in model.onnx.data past protobuf's 2 GiB; returns the files written."""
+    size = sum(len(t.raw_data) for t in model.graph.initializer)
+    if size < EXTERNAL_DATA_BYTES:
+        path.write_bytes(model.SerializeToString(deterministic=True))
+        return [path]
+    data = path.with_name(path.name + ".data")
+    onnx.save_model(
+        model, path, save_as_external_data=True, all_tensors_to_one_file=True, location=data.name, size_threshold=1024
+    )
+    return [path, data]

@@ -1,0 +1,134 @@
+"""Reference implementations of our plugin ops: the single semantic definition of each. The CPU engine runs them
+between ONNX Runtime segments; the CUDA plugins are checked against them; their attributes are the plugin fields.
+
+PagedAttention (domain `trtbuild`), one node per layer:
+  inputs   qkv [num_tokens, (heads + 2 kv_heads) * head_size], position_ids [num_tokens], context_lens [num_seqs],
+           new_lens [num_seqs], block_tables [num_seqs, max_blocks], kv_cache (the pool, see contract.py)
+  outputs  out [num_tokens, heads * head_size], present_kv_cache (the same pool, written in place)
+  1. q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling);
+  2. the new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots;
+  3. each new token attends, causally, to every cached and new token of its own sequence at positions <= its own
+     (and > its own - sliding_window when there is one), reading K and V back from the pool (dequantized).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from toolchain.quantize.core import FP8_E4M3_MAX
+from toolchain.reference.rope import apply_rotary, cos_sin
+
+
+@dataclass(frozen=True)
+class AttentionAttrs:
+    """The plugin's fields (ONNX attributes of the node, TensorRT plugin fields)."""
+
+    layer: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    tokens_per_block: int
+    rotary_style: str = "neox"  # "neox" (rotate-half) or "none" (learned absolute positions, GPT-2)
+    rotary_base: float = 10000.0
+    rotary_scaling_type: str = "none"  # "none", "linear", "llama3"
+    rotary_scaling_factor: float = 1.0
+    rotary_low_freq_factor: float = 1.0
+    rotary_high_freq_factor: float = 4.0
+    rotary_original_max_positions: int = 8192
+    sliding_window: int = 0  # 0: attend to the whole context
+    kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8
+    kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool
+
+    def to_attributes(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_attributes(cls, attrs: dict[str, Any]) -> AttentionAttrs:
+        known = {f.name for f in fields(cls)}
+        unknown = set(attrs) - known
+        if unknown:
+            raise ValueError(f"PagedAttention: unknown attributes {sorted(unknown)}")
+        return cls(**attrs)
+
+    def rotary_scaling(self) -> dict[str, Any] | None:
+        if self.rotary_scaling_type == "none":
+            return None
+        if self.rotary_scaling_type == "linear":
+            return {"rope_type": "linear", "factor": self.rotary_scaling_factor}
+        return {
+            "rope_type": "llama3",
+            "factor": self.rotary_scaling_factor,
+            "low_freq_factor": self.rotary_low_freq_factor,
+            "high_freq_factor": self.rotary_high_freq_factor,
+            "original_max_position_embeddings": self.rotary_original_max_positions,
+        }
+
+
+def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch.Tensor:
+    if a.kv_cache_dtype == "int8":
+        return torch.round(x / a.kv_scale).clamp(-128, 127).to(torch.int8)
+    if a.kv_cache_dtype == "fp8":  # saturate first: torch turns out-of-range values into NaN
+        return (x / a.kv_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return x.to(pool_dtype)
+
+
+def _load(codes: torch.Tensor, a: AttentionAttrs, dtype: torch.dtype) -> torch.Tensor:
+    if a.kv_cache_dtype == "int8":
+        return codes.to(dtype) * a.kv_scale
+    if a.kv_cache_dtype == "fp8":
+        return codes.view(torch.float8_e4m3fn).to(dtype) * a.kv_scale
+    return codes.to(dtype)
+
+
+def paged_attention(
+    a: AttentionAttrs,
+    qkv: torch.Tensor,
+    position_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    new_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Write the new tokens' K/V into `kv_cache` (in place; an fp8 pool is held as uint8) and return attention."""
+    t, h, kvh, d = qkv.shape[0], a.num_heads, a.num_kv_heads, a.head_size
+    q, k, v = torch.split(qkv, [h * d, kvh * d, kvh * d], dim=-1)
+    q, k, v = q.reshape(t, h, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
+    positions = position_ids.long()
+    if a.rotary_style == "neox":
+        cos, sin = cos_sin(positions, d, a.rotary_base, a.rotary_scaling(), qkv.dtype)
+        q = apply_rotary(q.transpose(0, 1), cos, sin).transpose(0, 1)
+        k = apply_rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
+    elif a.rotary_style != "none":
+        raise ValueError(f"PagedAttention: rotary_style {a.rotary_style!r}")
+    seq_of = torch.repeat_interleave(torch.arange(new_lens.shape[0]), new_lens.long())
+    blocks = block_tables.long()[seq_of, positions // a.tokens_per_block]
+    slots = positions % a.tokens_per_block
+    pool = kv_cache[a.layer]  # a view: writes below land in the caller's pool
+    pool[blocks, 0, :, slots] = _store(k, a, pool.dtype)
+    pool[blocks, 1, :, slots] = _store(v, a, pool.dtype)
+
+    out = torch.empty(t, h, d, dtype=qkv.dtype)
+    starts = torch.cumsum(new_lens.long(), 0) - new_lens.long()
+    group = h // kvh
+    for s in range(new_lens.shape[0]):
+        n, ctx = int(new_lens[s]), int(context_lens[s])
+        if n == 0:
+            continue
+        total = ctx + n
+        key_pos = torch.arange(total)
+        kb, ks = block_tables.long()[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
+        keys = _load(pool[kb, 0, :, ks], a, qkv.dtype).repeat_interleave(group, dim=1)  # [total, h, d]
+        values = _load(pool[kb, 1, :, ks], a, qkv.dtype).repeat_interleave(group, dim=1)
+        rows = slice(int(starts[s]), int(starts[s]) + n)
+        query_pos = positions[rows][:, None]
+        allowed = key_pos[None, :] <= query_pos
+        if a.sliding_window:
+            allowed &= query_pos - key_pos[None, :] < a.sliding_window
+        scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / math.sqrt(d)
+        probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
+        out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out.reshape(t, h * d)

@@ -1,0 +1,138 @@
+"""The CPU engine: the engine graph run by ONNX Runtime, with our plugin ops run by their reference
+implementations (ops.py).
+
+The graph is cut at its plugin nodes into segments of standard ops, one ONNX Runtime session each; a call runs
+segment, plugin node, segment, ... passing values by name. The KV pool never enters ONNX Runtime: it is one torch
+tensor the caller owns, handed to every plugin node, which writes the new tokens into it in place — the pool's
+`kv_cache` and `present_kv_cache` are the same memory, as a TensorRT engine binds them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import helper
+
+from toolchain.engine.contract import ATTENTION_OP, KV_DTYPES, PLUGIN_DOMAIN, Batch
+from toolchain.engine.ops import AttentionAttrs, paged_attention
+
+
+@dataclass
+class _Segment:
+    session: object  # onnxruntime.InferenceSession
+    inputs: list[str]
+    outputs: list[str]
+
+
+@dataclass
+class _Plugin:
+    attrs: AttentionAttrs
+    inputs: list[str]
+    outputs: list[str]
+
+
+def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]]:
+    """Runs of standard nodes, each followed by the plugin node that ends it (None after the last run)."""
+    parts: list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]] = []
+    run: list[onnx.NodeProto] = []
+    for node in model.graph.node:
+        if node.domain == PLUGIN_DOMAIN:
+            if node.op_type != ATTENTION_OP:
+                raise ValueError(f"no reference implementation for {node.domain}::{node.op_type}")
+            parts.append((run, node))
+            run = []
+        else:
+            run.append(node)
+    parts.append((run, None))
+    return parts
+
+
+class OrtEngine:
+    """Run an engine directory's model.onnx on CPU. `forward(batch, kv_cache)` -> logits [num_outputs, vocab]."""
+
+    def __init__(self, model_path: Path, threads: int = 0):
+        import onnxruntime as ort
+
+        model = onnx.load(str(model_path))
+        inferred = onnx.shape_inference.infer_shapes(model)
+        types = {v.name: v for v in [*inferred.graph.value_info, *model.graph.input, *model.graph.output]}
+        inits = {t.name: t for t in model.graph.initializer}
+        parts = _split(model)
+        graph_outputs = {o.name for o in model.graph.output}
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.steps: list[_Segment | _Plugin] = []
+        for index, (nodes, plugin) in enumerate(parts):
+            later: set[str] = set(graph_outputs)
+            for rest, after in parts[index + 1 :]:
+                later.update(i for n in rest for i in n.input)
+                if after is not None:
+                    later.update(after.input)
+            if plugin is not None:
+                later.update(plugin.input)
+            produced = [o for n in nodes for o in n.output]
+            consumed = [i for n in nodes for i in n.input if i]
+            seg_inputs = sorted({i for i in consumed if i not in inits and i not in produced})
+            seg_outputs = [o for o in produced if o in later]
+            if nodes:
+                sub = helper.make_graph(
+                    nodes,
+                    f"segment{index}",
+                    [types[i] for i in seg_inputs],
+                    [types[o] for o in seg_outputs],
+                    [inits[i] for i in sorted({i for i in consumed if i in inits})],
+                )
+                sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain == ""])
+                sub_model.ir_version = model.ir_version
+                session = ort.InferenceSession(
+                    sub_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+                )
+                self.steps.append(_Segment(session, seg_inputs, seg_outputs))
+            if plugin is not None:
+                attrs = {a.name: helper.get_attribute_value(a) for a in plugin.attribute}
+                attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+                self.steps.append(
+                    _Plugin(AttentionAttrs.from_attributes(attrs), list(plugin.input), list(plugin.output))
+                )
+        first = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
+        kv_input = next(i for i in model.graph.input if i.name == "kv_cache")
+        dims = kv_input.type.tensor_type.shape.dim
+        self.num_layers = dims[0].dim_value
+        self.tokens_per_block = first.tokens_per_block
+        self.kv_dtype = first.kv_cache_dtype
+        self.kv_block_shape = (2, first.num_kv_heads, first.tokens_per_block, first.head_size)
+        vocab = model.graph.output[0].type.tensor_type.shape.dim[1].dim_value
+        self.vocab_size = vocab
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed pool for `num_blocks` blocks (fp8 pools are held as their bytes, uint8)."""
+        dtype = torch.uint8 if self.kv_dtype == "fp8" else KV_DTYPES[self.kv_dtype]
+        return torch.zeros((self.num_layers, num_blocks, *self.kv_block_shape), dtype=dtype)
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        batch.check(self.tokens_per_block)
+        values: dict[str, np.ndarray] = dict(batch.feeds())
+        pool_names = {"kv_cache"}
+        for step in self.steps:
+            if isinstance(step, _Segment):
+                results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
+                values.update(zip(step.outputs, results, strict=True))
+                continue
+            qkv, pos, ctx, new, tables, pool = step.inputs
+            assert pool in pool_names, f"{pool} is not the KV pool"
+            out = paged_attention(
+                step.attrs,
+                torch.from_numpy(values[qkv]),
+                torch.from_numpy(values[pos]),
+                torch.from_numpy(values[ctx]),
+                torch.from_numpy(values[new]),
+                torch.from_numpy(values[tables]),
+                kv_cache,
+            )
+            values[step.outputs[0]] = out.numpy()
+            pool_names.add(step.outputs[1])
+        return values["logits"]

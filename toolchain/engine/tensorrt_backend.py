@@ -1,0 +1,141 @@
+"""The TensorRT backend: engine graph (model.onnx) -> serialized TensorRT plan, built strongly typed with one
+optimization profile from the build limits, a workspace limit, a persistent timing cache, and the engine
+inspector's per-layer JSON saved beside the plan.
+
+`tensorrt` is imported only here and only when asked for; without it (or without a GPU) `available()` says why
+and `build_plan` raises a one-line UserError. The plugin ops (trtbuild::PagedAttention) must be registered with
+TensorRT before parsing — their module belongs to the CUDA plugins work (plugins/); until it exists this backend
+says so instead of failing inside the parser.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from toolchain.errors import UserError
+from toolchain.manifest import gpu_info
+
+PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers trtbuild::PagedAttention via tensorrt.plugin
+PLAN_NAME = "engine.plan"
+LAYERS_NAME = "layers.json"
+TIMING_CACHE_NAME = "timing.cache"
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    tokens_per_block: int
+    num_blocks: int
+    workspace_bytes: int = 4 << 30
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+
+def available() -> str | None:
+    """None when a TensorRT build can run here, else the reason it cannot."""
+    try:
+        trt_module = importlib.import_module("tensorrt")
+    except ImportError:
+        return "TensorRT is not installed (pip install 'trtbuild[gpu]' on a machine with a CUDA GPU)"
+    if not hasattr(trt_module, "Builder"):
+        return "the installed `tensorrt` is only type stubs, not the library"
+    if gpu_info()["name"] is None:
+        return "no CUDA GPU is visible (nvidia-smi found none)"
+    try:
+        importlib.import_module(PLUGIN_MODULE)
+    except ImportError:
+        return "the trtbuild::PagedAttention TensorRT plugin is not available yet (plugins/ has no registration module)"
+    return None
+
+
+def versions() -> dict[str, Any]:
+    """What a plan is tied to: TensorRT version, GPU name and SM, driver and CUDA versions."""
+    try:
+        version: str | None = importlib.import_module("tensorrt").__version__
+    except (ImportError, AttributeError):
+        version = None
+    gpu = gpu_info()
+    return {
+        "tensorrt": version,
+        "gpu": gpu["name"],
+        "sm": gpu["sm"],
+        "driver": gpu["driver_version"],
+        "cuda": gpu["cuda_version"],
+    }
+
+
+def check_compatible(recorded: dict[str, Any], current: dict[str, Any]) -> None:
+    """A plan runs only where it was built: same TensorRT version and SM (and so GPU family)."""
+    for key in ("tensorrt", "sm"):
+        if recorded.get(key) != current.get(key):
+            raise UserError(
+                f"engine built with {key} {recorded.get(key)} ({recorded.get('gpu')}), this machine has "
+                f"{current.get(key)} ({current.get('gpu')}); rebuild the engine here with `trtbuild build`"
+            )
+
+
+def _profile_shapes(
+    limits: Limits, num_layers: int, kv_block: tuple[int, ...]
+) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """min / opt / max per dynamic input, from the build limits."""
+    b, t, blocks = limits.max_batch_size, limits.max_num_tokens, limits.max_blocks_per_seq
+    pool = (num_layers, limits.num_blocks, *kv_block)
+    return {
+        "input_ids": ((1,), (max(1, t // 2),), (t,)),
+        "position_ids": ((1,), (max(1, t // 2),), (t,)),
+        "context_lens": ((1,), (max(1, b // 2),), (b,)),
+        "new_lens": ((1,), (max(1, b // 2),), (b,)),
+        "block_tables": ((1, 1), (max(1, b // 2), blocks), (b, blocks)),
+        "logits_index": ((1,), (max(1, b // 2),), (t,)),
+        "kv_cache": (pool, pool, pool),
+    }
+
+
+def build_plan(
+    onnx_path: Path,
+    out_dir: Path,
+    limits: Limits,
+    num_layers: int,
+    kv_block: tuple[int, ...],
+    cache_dir: Path | None = None,
+) -> dict[str, Any]:
+    """Build and write engine.plan, layers.json and the timing cache; returns build facts for the manifest."""
+    reason = available()
+    if reason:
+        raise UserError(f"--backend tensorrt: {reason}; use --backend onnxruntime (or auto) to build the CPU engine")
+    import tensorrt as trt
+
+    importlib.import_module(PLUGIN_MODULE)
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise UserError(f"{onnx_path}: TensorRT's ONNX parser failed: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, limits.workspace_bytes)
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
+    profile = builder.create_optimization_profile()
+    for name, (low, opt, high) in _profile_shapes(limits, num_layers, kv_block).items():
+        profile.set_shape(name, trt.Dims(list(low)), trt.Dims(list(opt)), trt.Dims(list(high)))
+    config.add_optimization_profile(profile)
+    cache_path = (cache_dir or out_dir) / TIMING_CACHE_NAME
+    cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
+    config.set_timing_cache(cache, ignore_mismatch=False)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise UserError(f"{onnx_path}: TensorRT could not build an engine (see the TensorRT log above)")
+    (out_dir / PLAN_NAME).write_bytes(bytes(memoryview(plan)))
+    cache_path.write_bytes(bytes(memoryview(config.get_timing_cache().serialize())))
+    engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(memoryview(plan)))
+    inspector = engine.create_engine_inspector()
+    (out_dir / LAYERS_NAME).write_text(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+    return {"plan": PLAN_NAME, "layers": LAYERS_NAME, "timing_cache": str(cache_path), **versions()}

@@ -1,0 +1,249 @@
+"""`trtbuild eval`: the quality module's metrics on an ENGINE's logits (through its backend) against the original
+Hugging Face model in float32; greedy golden-prompt replay; gates that turn a regression into exit code 3."""
+
+from __future__ import annotations
+
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from toolchain import console
+from toolchain.atomic import atomic_dir
+from toolchain.engine.contract import Batch
+from toolchain.engine.ort_backend import OrtEngine
+from toolchain.errors import UserError, read_utf8
+from toolchain.evaluate.quality import QualityReport, collect, summarize
+from toolchain.evaluate.report import write_reports
+from toolchain.evaluate.text import tokenize
+from toolchain.manifest import StageRecord
+
+GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
+    "kld_mean_max": ("kld_mean", "max"),
+    "top1_min": ("same_top1", "min"),
+    "ppl_ratio_max": ("ppl_ratio", "max"),
+    "golden_exact_min": ("golden_exact", "min"),
+}
+
+
+class EngineSession:
+    """Runs whole sequences through an engine within its build limits: rows packed per call up to max_batch_size
+    and max_num_tokens, prefills longer than max_num_tokens chunked."""
+
+    def __init__(self, engine: OrtEngine, limits: dict[str, Any]):
+        self.engine, self.limits = engine, limits
+        self.tpb = engine.tokens_per_block
+
+    def _blocks(self, length: int) -> int:
+        return -(-length // self.tpb)
+
+    def all_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [batch, seq] -> logits [batch, seq, vocab] (float32), each row a sequence of its own."""
+        rows, seq = ids.shape
+        if seq > self.limits["max_seq_len"]:
+            raise UserError(f"sequences of {seq} tokens exceed the engine's max_seq_len {self.limits['max_seq_len']}")
+        per_call = max(1, min(self.limits["max_batch_size"], self.limits["max_num_tokens"] // seq))
+        chunk = min(seq, self.limits["max_num_tokens"])
+        out = []
+        for start in range(0, rows, per_call):
+            group = ids[start : start + per_call].tolist()
+            pool = self.engine.new_kv_cache(len(group) * self._blocks(seq))
+            tables = [list(range(k * self._blocks(seq), (k + 1) * self._blocks(seq))) for k in range(len(group))]
+            pieces = []
+            for at in range(0, seq, chunk):  # chunked prefill when a row is longer than one call's budget
+                batch = Batch.from_sequences([g[at : at + chunk] for g in group], [at] * len(group), tables, True)
+                pieces.append(self.engine.forward(batch, pool).reshape(len(group), -1, self.engine.vocab_size))
+            out.append(torch.from_numpy(np.concatenate(pieces, axis=1)))
+        return torch.cat(out)
+
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        total = len(prompt) + new_tokens
+        if total > self.limits["max_seq_len"]:
+            raise UserError(
+                f"prompt + {new_tokens} new tokens exceed the engine's max_seq_len {self.limits['max_seq_len']}"
+            )
+        pool = self.engine.new_kv_cache(self._blocks(total))
+        table = [list(range(self._blocks(total)))]
+        logits = self.engine.forward(Batch.from_sequences([prompt], [0], table), pool)
+        generated = [int(logits[-1].argmax())]
+        while len(generated) < new_tokens:
+            step = Batch.from_sequences([[generated[-1]]], [len(prompt) + len(generated) - 1], table)
+            generated.append(int(self.engine.forward(step, pool)[-1].argmax()))
+        return generated
+
+
+class Reference:
+    """The original Hugging Face model in float32 on CPU."""
+
+    def __init__(self, hf_dir: Path):
+        if not (hf_dir / "config.json").is_file():
+            raise UserError(f"--reference {hf_dir}: not a Hugging Face model dir (no config.json)")
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # their loading bar is noise here
+        self.model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)  # in eval mode already
+
+    @torch.no_grad()
+    def all_logits(self, ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.model(ids).logits
+        return logits.float()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
+        # transformers 5.x renamed past_key_values to cache; accept either
+        key = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        out = self.model(torch.tensor([prompt]), use_cache=True)
+        generated = [int(out.logits[0, -1].argmax())]
+        while len(generated) < new_tokens:
+            out = self.model(torch.tensor([[generated[-1]]]), use_cache=True, **{key: out[key]})
+            generated.append(int(out.logits[0, -1].argmax()))
+        return generated
+
+
+@dataclass(frozen=True)
+class GoldenPrompt:
+    prompt: str
+    max_new_tokens: int
+
+
+def read_golden(path: Path) -> list[GoldenPrompt]:
+    prompts = []
+    for number, line in enumerate(read_utf8(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f'{path}:{number}: not JSON ({e.msg}); one {{"prompt": ...}} object per line') from e
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
+            raise UserError(f'{path}:{number}: expected {{"prompt": "...", "max_new_tokens": N}}')
+        n = item.get("max_new_tokens", 32)
+        if not isinstance(n, int) or n < 1:
+            raise UserError(f"{path}:{number}: max_new_tokens must be a positive integer, got {n!r}")
+        prompts.append(GoldenPrompt(item["prompt"], n))
+    if not prompts:
+        raise UserError(f"{path}: no prompts")
+    return prompts
+
+
+def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
+    results = []
+    for gate, limit in gates.items():
+        if gate not in GATES:
+            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
+        metric, direction = GATES[gate]
+        value = metrics.get(metric)
+        if value is None:
+            raise UserError(f"gate {gate} needs {metric}, which this evaluation did not compute (golden prompts?)")
+        ok = value <= limit if direction == "max" else value >= limit
+        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
+    return results
+
+
+def evaluate_engine(
+    engine: OrtEngine,
+    limits: dict[str, Any],
+    engine_dir: Path,
+    reference_dir: Path,
+    data: Path,
+    max_tokens: int,
+    golden: Path | None,
+    gates: dict[str, float],
+) -> dict[str, Any]:
+    session, reference = EngineSession(engine, limits), Reference(reference_dir)
+    tokens = tokenize(data, engine_dir, max_tokens=max_tokens)
+    window = min(256, limits["max_seq_len"])
+    if tokens.numel() < window:
+        raise UserError(f"{data}: {tokens.numel()} tokens, fewer than one evaluation window of {window}")
+    console.info(f"scoring the engine on {tokens.numel():,} tokens of {data} in windows of {window}")
+    stats = collect(reference.all_logits, session.all_logits, tokens, window)
+    report: QualityReport = summarize(stats)
+    golden_results: list[dict[str, Any]] = []
+    if golden is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(engine_dir)
+        for item in read_golden(golden):
+            ids = tok(item.prompt, add_special_tokens=True)["input_ids"]
+            got, want = session.greedy(ids, item.max_new_tokens), reference.greedy(ids, item.max_new_tokens)
+            diverge = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+            golden_results.append(
+                {
+                    "prompt": item.prompt,
+                    "engine": tok.decode(got),
+                    "reference": tok.decode(want),
+                    "exact": diverge is None,
+                    "first_divergence": diverge,
+                    "tokens": item.max_new_tokens,
+                }
+            )
+    golden_exact = sum(g["exact"] for g in golden_results) / len(golden_results) if golden_results else None
+    metrics: dict[str, float | None] = {**report.to_dict(), "golden_exact": golden_exact}
+    gate_results = check_gates(gates, metrics)
+    return {
+        "engine_dir": str(engine_dir.resolve()),
+        "reference": str(reference_dir.resolve()),
+        "data": str(data.resolve()),
+        "window": window,
+        "quality": report.to_dict(),
+        "golden_exact": golden_exact,
+        "golden": golden_results,
+        "gates": gate_results,
+        "passed": all(g["pass"] for g in gate_results),
+        "kld_histogram": _histogram(stats["kld"].reshape(-1)),
+        "top1_by_position": stats["top1"].mean(0).tolist(),
+    }
+
+
+def _histogram(kld: torch.Tensor, bins: int = 24) -> dict[str, list[float]]:
+    """Counts over log10-spaced bins from 1e-6 to the maximum (KLD spans decades)."""
+    top = max(float(kld.max()), 1e-5)
+    edges = torch.logspace(-6, float(np.log10(top)) + 1e-9, bins + 1, dtype=torch.float64)
+    counts = torch.histc(kld.clamp(1e-6, top).log10(), bins=bins, min=-6, max=float(np.log10(top)) + 1e-9)
+    return {"edges": edges.tolist(), "counts": counts.tolist()}
+
+
+def run_eval(
+    engine_dir: Path,
+    out_dir: Path,
+    reference_dir: Path,
+    data: Path,
+    max_tokens: int = 50_000,
+    golden: Path | None = None,
+    gates: dict[str, float] | None = None,
+    backend: str | None = None,
+    force: bool = False,
+    record: StageRecord | None = None,
+    engine_label: Path | None = None,
+) -> dict[str, Any]:
+    """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
+    `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
+    from toolchain.engine.build import BUILD_CONFIG, read_build_config
+    from toolchain.engine.runner import load_engine
+
+    config = read_build_config(engine_dir)
+    for path, what in ((data, "--data"), (golden, "--golden")):
+        if path is not None and not path.is_file():
+            raise UserError(f"{what} {path}: no such file")
+    check_gates(gates or {}, dict.fromkeys((m for m, _ in GATES.values()), 0.0))  # names checked before work
+    engine = load_engine(engine_dir, backend)
+    result = evaluate_engine(engine, config["limits"], engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+    if engine_label is not None:
+        result["engine_dir"] = str(engine_label)
+    record = record or StageRecord("eval")
+    record.details.update(
+        quality=result["quality"], golden_exact=result["golden_exact"], gates=result["gates"], passed=result["passed"]
+    )
+    with atomic_dir(out_dir, force, inputs=(engine_dir, reference_dir)) as tmp:
+        record.add_inputs(engine_dir, [engine_dir / BUILD_CONFIG, engine_dir / "model.onnx"])
+        for text in (data, golden):
+            if text is not None:
+                record.add_inputs(text.parent, [text])
+        write_reports(result, tmp)
+        manifest = record.write(tmp)
+    return {**result, "report_dir": str(out_dir.resolve()), "outputs": manifest["outputs"]}
