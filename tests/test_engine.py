@@ -164,10 +164,11 @@ def test_build_is_deterministic_and_checked(gqa_engine: OrtEngine, make_llama: A
     model = onnx.load(str(tmp_path / "a" / "model.onnx"))
     onnx.checker.check_model(model, full_check=True)
     onnx.shape_inference.infer_shapes(model, strict_mode=True)
-    attention = [n for n in model.graph.node if n.domain == "trtbuild"]
-    assert len(attention) == 2 and {n.op_type for n in attention} == {"PagedAttention"}
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in attention[1].attribute}
+    plugins = [n for n in model.graph.node if n.domain == "trtbuild"]
+    assert [n.op_type for n in plugins] == ["KVCacheWrite", "PagedAttention"] * 2
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in plugins[3].attribute}
     assert attrs["layer"] == 1 and attrs["num_kv_heads"] == 2 and attrs["tokens_per_block"] == 16
+    assert "rotary_base" in {a.name for a in plugins[2].attribute} and "rotary_base" not in attrs
 
 
 def test_build_cli(cli: Any, make_llama: Any, tmp_path: Path) -> None:

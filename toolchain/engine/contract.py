@@ -7,8 +7,9 @@ the exclusive prefix sum of new_lens; it already has context_lens[s] tokens in t
 at positions context_lens[s] .. context_lens[s] + new_lens[s] - 1.
 
 The KV cache is ONE pool for all layers, [layers, blocks, 2 (K, V), kv_heads, tokens_per_block, head_size]: one
-binding. Each attention node reads it and writes the new tokens' K (after rotary) and V into it; the graph
-threads it from layer to layer (`kv_cache` -> ... -> `present_kv_cache`), which orders the writes, and the
+binding. Each layer's KVCacheWrite node writes the new tokens' K (after rotary) and V into it and its
+PagedAttention node reads it; the graph threads it from layer to layer (`kv_cache` -> ... -> `present_kv_cache`),
+which orders the writes before the reads, and the
 executor binds input and output to the same memory, so nothing copies the pool (TensorRT-Edge-LLM binds past
 and present KV at one address rather than declaring plugin aliasing, which made TensorRT copy the pool). Token
 position p of sequence s lives in block block_tables[s, p // tokens_per_block], slot p % tokens_per_block.
@@ -26,7 +27,8 @@ import torch
 
 CONTRACT_VERSION = 1
 PLUGIN_DOMAIN = "trtbuild"  # the plugins' namespace: ONNX custom-op domain and TensorRT plugin namespace
-ATTENTION_OP = "PagedAttention"  # the plugin's name: ONNX op_type and TensorRT plugin name
+WRITE_OP = "KVCacheWrite"  # rotary + KV store; plugin name = ONNX op_type = TensorRT plugin name
+ATTENTION_OP = "PagedAttention"  # attention over the paged pool
 
 # name -> (ONNX element type, symbolic shape); dims named here are dynamic in the graph
 INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -3,9 +3,9 @@
 Standard ONNX ops for embedding, norms, MLP and lm_head over packed 2-D activations [num_tokens, hidden];
 explicit quantization as QuantizeLinear / DequantizeLinear pairs that say exactly what the quantize stage
 computed (int8 weights per output channel, int4 weights in blocks along the input, fp8 weights per tensor, int8 /
-fp8 activations per tensor, the pre-quantization scale as a Mul); attention as one `trtbuild::PagedAttention` node
-per layer whose attributes are the plugin's fields (ops.py). TensorRT builds this graph strongly typed; the CPU
-engine runs it with ONNX Runtime and our reference op.
+fp8 activations per tensor, the pre-quantization scale as a Mul); attention as two plugin nodes per layer,
+`trtbuild::KVCacheWrite` then `trtbuild::PagedAttention`, whose attributes are the plugins' fields (ops.py).
+TensorRT builds this graph strongly typed; the CPU engine runs it with ONNX Runtime and our reference ops.
 
 Names and order are fixed by the checkpoint alone, so the same checkpoint gives the same bytes.
 """
@@ -20,7 +20,7 @@ import torch
 from onnx import TensorProto, helper
 
 from toolchain.checkpoint.trtllm import ModelConfig
-from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN
+from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
 from toolchain.quantize.core import unpack_int4
@@ -246,20 +246,30 @@ class _Exporter:
             if c.qk_layernorm:
                 qkv = self.qk_norm(qkv, layer)
             kv_out = "present_kv_cache" if i == c.num_hidden_layers - 1 else f"{layer}.present_kv_cache"
-            attrs = self.attention_attrs(i).to_attributes()
+            attrs = self.attention_attrs(i)
+            tables = ["position_ids", "context_lens", "new_lens", "block_tables"]
+            b.nodes.append(
+                helper.make_node(
+                    WRITE_OP,
+                    [qkv, *tables, kv],
+                    [f"{layer}.attention.q", kv_out],
+                    name=f"{layer}.attention/{WRITE_OP}",
+                    domain=PLUGIN_DOMAIN,
+                    **attrs.to_attributes(WRITE_OP),
+                )
+            )
             b.nodes.append(
                 helper.make_node(
                     ATTENTION_OP,
-                    [qkv, "position_ids", "context_lens", "new_lens", "block_tables", kv],
-                    [f"{layer}.attention.out", kv_out],
+                    [f"{layer}.attention.q", *tables, kv_out],
+                    [f"{layer}.attention.out"],
                     name=f"{layer}.attention/{ATTENTION_OP}",
                     domain=PLUGIN_DOMAIN,
-                    **attrs,
+                    **attrs.to_attributes(ATTENTION_OP),
                 )
             )
-            b.value_info.append(
-                helper.make_tensor_value_info(f"{layer}.attention.out", b.onnx_dtype, ["num_tokens", q_dim])
-            )
+            for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
+                b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
             if kv_out != "present_kv_cache":
                 b.value_info.append(self._kv_value_info(kv_out))
             kv = kv_out

@@ -1,14 +1,21 @@
 """Reference implementations of our plugin ops: the single semantic definition of each. The CPU engine runs them
 between ONNX Runtime segments; the CUDA plugins are checked against them; their attributes are the plugin fields.
 
-PagedAttention (domain `trtbuild`), one node per layer:
+Two ops per layer (domain `trtbuild`), each one CUDA kernel launch in the plugin (plugins/):
+
+KVCacheWrite
   inputs   qkv [num_tokens, (heads + 2 kv_heads) * head_size], position_ids [num_tokens], context_lens [num_seqs],
            new_lens [num_seqs], block_tables [num_seqs, max_blocks], kv_cache (the pool, see contract.py)
-  outputs  out [num_tokens, heads * head_size], present_kv_cache (the same pool, written in place)
-  1. q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling);
-  2. the new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots;
-  3. each new token attends, causally, to every cached and new token of its own sequence at positions <= its own
-     (and > its own - sliding_window when there is one), reading K and V back from the pool (dequantized).
+  outputs  q [num_tokens, heads * head_size] (after rotary), present_kv_cache (the same pool, written in place)
+  q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling); the
+  new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots.
+
+PagedAttention
+  inputs   q [num_tokens, heads * head_size], position_ids, context_lens, new_lens, block_tables, kv_cache
+  outputs  out [num_tokens, heads * head_size]
+  each new token attends, causally, to every cached and new token of its own sequence at positions <= its own (and
+  > its own - sliding_window when there is one), reading K and V from the pool (dequantized); query head h reads
+  KV head h // (heads / kv_heads).
 """
 
 from __future__ import annotations
@@ -43,15 +50,15 @@ class AttentionAttrs:
     kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8
     kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool
 
-    def to_attributes(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_attributes(self, op: str) -> dict[str, Any]:
+        """The fields op `op` uses (OP_FIELDS)."""
+        return {k: v for k, v in asdict(self).items() if k in OP_FIELDS[op]}
 
     @classmethod
-    def from_attributes(cls, attrs: dict[str, Any]) -> AttentionAttrs:
-        known = {f.name for f in fields(cls)}
-        unknown = set(attrs) - known
+    def from_attributes(cls, op: str, attrs: dict[str, Any]) -> AttentionAttrs:
+        unknown = set(attrs) - OP_FIELDS[op]
         if unknown:
-            raise ValueError(f"PagedAttention: unknown attributes {sorted(unknown)}")
+            raise ValueError(f"{op}: unknown attributes {sorted(unknown)}")
         return cls(**attrs)
 
     def rotary_scaling(self) -> dict[str, Any] | None:
@@ -66,6 +73,13 @@ class AttentionAttrs:
             "high_freq_factor": self.rotary_high_freq_factor,
             "original_max_position_embeddings": self.rotary_original_max_positions,
         }
+
+
+_COMMON = {"layer", "num_heads", "num_kv_heads", "head_size", "tokens_per_block", "kv_cache_dtype", "kv_scale"}
+OP_FIELDS = {
+    "KVCacheWrite": _COMMON | {f.name for f in fields(AttentionAttrs) if f.name.startswith("rotary_")},
+    "PagedAttention": _COMMON | {"sliding_window"},
+}
 
 
 def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +98,7 @@ def _load(codes: torch.Tensor, a: AttentionAttrs, dtype: torch.dtype) -> torch.T
     return codes.to(dtype)
 
 
-def paged_attention(
+def kv_cache_write(
     a: AttentionAttrs,
     qkv: torch.Tensor,
     position_ids: torch.Tensor,
@@ -93,7 +107,9 @@ def paged_attention(
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """Write the new tokens' K/V into `kv_cache` (in place; an fp8 pool is held as uint8) and return attention."""
+    """Write the new tokens' K (after rotary) and V into `kv_cache` in place (an fp8 pool is held as uint8);
+    return q after rotary [num_tokens, heads * head_size]."""
+    del context_lens  # part of the op's inputs (the CUDA kernel checks positions against it); not needed here
     t, h, kvh, d = qkv.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     q, k, v = torch.split(qkv, [h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.reshape(t, h, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
@@ -103,15 +119,31 @@ def paged_attention(
         q = apply_rotary(q.transpose(0, 1), cos, sin).transpose(0, 1)
         k = apply_rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
     elif a.rotary_style != "none":
-        raise ValueError(f"PagedAttention: rotary_style {a.rotary_style!r}")
+        raise ValueError(f"KVCacheWrite: rotary_style {a.rotary_style!r}")
     seq_of = torch.repeat_interleave(torch.arange(new_lens.shape[0]), new_lens.long())
     blocks = block_tables.long()[seq_of, positions // a.tokens_per_block]
     slots = positions % a.tokens_per_block
     pool = kv_cache[a.layer]  # a view: writes below land in the caller's pool
     pool[blocks, 0, :, slots] = _store(k, a, pool.dtype)
     pool[blocks, 1, :, slots] = _store(v, a, pool.dtype)
+    return q.reshape(t, h * d)
 
-    out = torch.empty(t, h, d, dtype=qkv.dtype)
+
+def paged_attention(
+    a: AttentionAttrs,
+    q: torch.Tensor,
+    position_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    new_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of each new token over its sequence's cached and new tokens, read from the pool."""
+    t, h, kvh, d = q.shape[0], a.num_heads, a.num_kv_heads, a.head_size
+    q = q.reshape(t, h, d)
+    positions = position_ids.long()
+    pool = kv_cache[a.layer]
+    out = torch.empty(t, h, d, dtype=q.dtype)
     starts = torch.cumsum(new_lens.long(), 0) - new_lens.long()
     group = h // kvh
     for s in range(new_lens.shape[0]):
@@ -121,8 +153,8 @@ def paged_attention(
         total = ctx + n
         key_pos = torch.arange(total)
         kb, ks = block_tables.long()[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
-        keys = _load(pool[kb, 0, :, ks], a, qkv.dtype).repeat_interleave(group, dim=1)  # [total, h, d]
-        values = _load(pool[kb, 1, :, ks], a, qkv.dtype).repeat_interleave(group, dim=1)
+        keys = _load(pool[kb, 0, :, ks], a, q.dtype).repeat_interleave(group, dim=1)  # [total, h, d]
+        values = _load(pool[kb, 1, :, ks], a, q.dtype).repeat_interleave(group, dim=1)
         rows = slice(int(starts[s]), int(starts[s]) + n)
         query_pos = positions[rows][:, None]
         allowed = key_pos[None, :] <= query_pos
@@ -132,3 +164,6 @@ def paged_attention(
         probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
     return out.reshape(t, h * d)
+
+
+OPS = {"KVCacheWrite": kv_cache_write, "PagedAttention": paged_attention}

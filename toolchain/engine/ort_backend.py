@@ -17,8 +17,8 @@ import onnx
 import torch
 from onnx import helper
 
-from toolchain.engine.contract import ATTENTION_OP, KV_DTYPES, PLUGIN_DOMAIN, Batch
-from toolchain.engine.ops import AttentionAttrs, paged_attention
+from toolchain.engine.contract import KV_DTYPES, PLUGIN_DOMAIN, Batch
+from toolchain.engine.ops import OPS, AttentionAttrs
 
 
 @dataclass
@@ -30,6 +30,7 @@ class _Segment:
 
 @dataclass
 class _Plugin:
+    op: str
     attrs: AttentionAttrs
     inputs: list[str]
     outputs: list[str]
@@ -41,7 +42,7 @@ def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.Node
     run: list[onnx.NodeProto] = []
     for node in model.graph.node:
         if node.domain == PLUGIN_DOMAIN:
-            if node.op_type != ATTENTION_OP:
+            if node.op_type not in OPS:
                 raise ValueError(f"no reference implementation for {node.domain}::{node.op_type}")
             parts.append((run, node))
             run = []
@@ -95,8 +96,9 @@ class OrtEngine:
             if plugin is not None:
                 attrs = {a.name: helper.get_attribute_value(a) for a in plugin.attribute}
                 attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+                op = plugin.op_type
                 self.steps.append(
-                    _Plugin(AttentionAttrs.from_attributes(attrs), list(plugin.input), list(plugin.output))
+                    _Plugin(op, AttentionAttrs.from_attributes(op, attrs), list(plugin.input), list(plugin.output))
                 )
         first = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
         kv_input = next(i for i in model.graph.input if i.name == "kv_cache")
@@ -122,11 +124,11 @@ class OrtEngine:
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
                 values.update(zip(step.outputs, results, strict=True))
                 continue
-            qkv, pos, ctx, new, tables, pool = step.inputs
+            x, pos, ctx, new, tables, pool = step.inputs
             assert pool in pool_names, f"{pool} is not the KV pool"
-            out = paged_attention(
+            out = OPS[step.op](
                 step.attrs,
-                torch.from_numpy(values[qkv]),
+                torch.from_numpy(values[x]),
                 torch.from_numpy(values[pos]),
                 torch.from_numpy(values[ctx]),
                 torch.from_numpy(values[new]),
@@ -134,5 +136,5 @@ class OrtEngine:
                 kv_cache,
             )
             values[step.outputs[0]] = out.numpy()
-            pool_names.add(step.outputs[1])
+            pool_names.update(step.outputs[1:])  # KVCacheWrite's present_kv_cache: the same pool, in place
         return values["logits"]

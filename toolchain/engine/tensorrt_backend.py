@@ -3,7 +3,7 @@ optimization profile from the build limits, a workspace limit, a persistent timi
 inspector's per-layer JSON saved beside the plan.
 
 `tensorrt` is imported only here and only when asked for; without it (or without a GPU) `available()` says why
-and `build_plan` raises a one-line UserError. The plugin ops (trtbuild::PagedAttention) must be registered with
+and `build_plan` raises a one-line UserError. The plugin ops (trtbuild::KVCacheWrite, ::PagedAttention) must be registered with
 TensorRT before parsing — their module belongs to the CUDA plugins work (plugins/); until it exists this backend
 says so instead of failing inside the parser.
 """
@@ -18,7 +18,7 @@ from typing import Any
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
 
-PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers trtbuild::PagedAttention via tensorrt.plugin
+PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers the trtbuild plugins via tensorrt.plugin
 PLAN_NAME = "engine.plan"
 LAYERS_NAME = "layers.json"
 TIMING_CACHE_NAME = "timing.cache"
@@ -51,7 +51,7 @@ def available() -> str | None:
     try:
         importlib.import_module(PLUGIN_MODULE)
     except ImportError:
-        return "the trtbuild::PagedAttention TensorRT plugin is not available yet (plugins/ has no registration module)"
+        return "the trtbuild TensorRT plugins are not available (toolchain/plugins/tensorrt_registration.py is missing)"
     return None
 
 
