@@ -3,9 +3,9 @@ optimization profile from the build limits, a workspace limit, a persistent timi
 inspector's per-layer JSON saved beside the plan.
 
 `tensorrt` is imported only here and only when asked for; without it (or without a GPU) `available()` says why
-and `build_plan` raises a one-line UserError. The plugin ops (trtbuild::KVCacheWrite, ::PagedAttention) must be registered with
-TensorRT before parsing — their module belongs to the CUDA plugins work (plugins/); until it exists this backend
-says so instead of failing inside the parser.
+and `build_plan` raises a one-line UserError. The plugin ops (trtbuild::KVCacheWrite, trtbuild::PagedAttention)
+must be registered with TensorRT before parsing (toolchain/plugins/tensorrt_registration.py); without that module
+this backend says so instead of failing inside the parser.
 """
 
 from __future__ import annotations
