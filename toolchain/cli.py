@@ -459,6 +459,39 @@ def _stage_line(name: str, s: dict[str, Any]) -> str:
     return ""
 
 
+plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)
+app.add_typer(plugins_app, name="plugins")
+
+
+@plugins_app.command("compile", epilog="Example: `trtbuild plugins compile --arch sm_90 --json` (no GPU needed: NVRTC)")
+def plugins_compile(
+    arch: Annotated[
+        list[str] | None, typer.Option("--arch", help="Target SM, repeatable or comma-separated; default all four.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Output dir; default plugins/build.")] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any register spill or warning (CI).")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Compile every kernel to PTX and cubin per SM through NVRTC; report registers, spills, shared memory."""
+    from toolchain.plugins.compile import ARCHS, compile_plugins, summary
+
+    with _handled():
+        archs = tuple(a.strip() for item in (arch or list(ARCHS)) for a in item.split(",") if a.strip())
+        builds = compile_plugins(archs, out)
+        info = summary(builds)
+        if strict and (info["spills"] or info["warnings"]):
+            raise UserError(f"{info['spills']} bytes of register spills and {info['warnings']} warnings; see --json")
+    lines = [f"NVRTC {info['nvrtc']}: {', '.join(info['sources'])}"]
+    for b in builds:
+        worst = max(b.kernels, key=lambda k: k.registers)
+        lines.append(
+            f"  {b.arch}: {len(b.kernels)} kernels{' (cached)' if b.cached else ''}, max {worst.registers} registers "
+            f"({worst.name}), spills {sum(k.spill_stores + k.spill_loads for k in b.kernels)} B, "
+            f"{len(b.warnings)} warnings -> {b.cubin.name}"
+        )
+    _emit(info, json_out, lines)
+
+
 @recipe_app.command("schema", epilog="Example: `trtbuild recipe schema > recipe.schema.json`")
 def recipe_schema() -> None:
     """Print the recipe's JSON Schema (for editors and CI validation)."""
