@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,13 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/convert.py
+	$(BIN)/python bench/quantize.py
+	$(BIN)/python bench/engine.py
+
+# On a GPU machine (the device tool's H200 image has torch, cuda-bindings, NVRTC and compute-sanitizer): compile the
+# plugins for its SM, replay tests/vectors through them, sanitize, time; writes gpu-check.json/.md to $$OUT or .
+gpu-check:
+	PYTHONUNBUFFERED=1 python3 plugins/gpu_check.py
 
 clean:
 	rm -rf demo .pytest_cache .mypy_cache .ruff_cache

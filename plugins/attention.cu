@@ -9,8 +9,8 @@
 // conversion needs sm_89; one code path for every target).
 //
 // Kernel parameters follow TensorRT's ahead-of-time plugin convention: inputs, then int32 scalars (floats passed
-// as their bit patterns), then outputs. The KV pool is [layers, blocks, 2, kv_heads, tokens_per_block, head_size];
-// its input and output pointers are the same memory.
+// as their bit patterns), then outputs. The KV pool [layers, blocks, 2, kv_heads, tokens_per_block, head_size] is
+// an input that the KV write updates in place (the engine binds one pool; see toolchain/engine/contract.py).
 
 typedef unsigned short u16;
 typedef unsigned char u8;
@@ -269,13 +269,13 @@ __device__ void attention_reduce(const float* part_o, const float* part_ml, int 
 #define KV_WRITE(NAME, A, KV)                                                                                         \
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
         const A::T* qkv, const int* position_ids, const int* context_lens, const int* new_lens,                      \
-        const int* block_tables, const KV::T* kv_in, int num_tokens, int num_seqs, int max_blocks, int num_blocks,   \
+        const int* block_tables, KV::T* kv, int num_tokens, int num_seqs, int max_blocks, int num_blocks,            \
         int layer, int heads, int kv_heads, int head_size, int tpb, int rotary, int base_bits, int scaling,          \
-        int factor_bits, int low_bits, int high_bits, int original, int kv_scale_bits, A::T* q_out, KV::T* kv_out) { \
+        int factor_bits, int low_bits, int high_bits, int original, int kv_scale_bits, A::T* q_out) {                \
         kv_write<A, KV>(qkv, position_ids, new_lens, block_tables, num_seqs, max_blocks, num_blocks, layer, heads,    \
                         kv_heads, head_size, tpb, rotary, __int_as_float(base_bits), scaling,                        \
                         __int_as_float(factor_bits), __int_as_float(low_bits), __int_as_float(high_bits),            \
-                        (float)original, __int_as_float(kv_scale_bits), q_out, kv_out);                               \
+                        (float)original, __int_as_float(kv_scale_bits), q_out, kv);                                   \
     }
 
 #define ATTENTION(NAME, A, KV, HD)                                                                                    \

@@ -116,13 +116,12 @@ def test_mixed_batch_equals_each_sequence_alone(gqa_engine: OrtEngine) -> None:
 
 
 def test_kv_pool_is_written_in_place_and_only_at_the_new_slots(gqa_engine: OrtEngine) -> None:
-    """No copy of the pool: the caller's tensor (same storage) holds the new K/V afterwards, and nothing but the
-    slots of the call's tokens changed — cost per call does not depend on the pool's size."""
+    """The caller's pool tensor itself holds the new K/V afterwards (the engine wrote into it, it did not return a
+    new pool), and nothing but the slots of the call's tokens changed."""
     pool = gqa_engine.new_kv_cache(64)
     pool.fill_(3.0)
-    before, address = pool.clone(), pool.data_ptr()
+    before = pool.clone()
     gqa_engine.forward(Batch.from_sequences([[1, 2, 3, 4, 5, 6]], [0], [[40, 7]]), pool)
-    assert pool.data_ptr() == address
     changed = (pool != before).any(dim=(0, 2, 3, 5))  # [blocks, slot]
     expected = torch.zeros_like(changed)
     expected[40, :4] = True
@@ -190,9 +189,14 @@ def test_build_cli(cli: Any, make_llama: Any, tmp_path: Path) -> None:
     assert result.exit_code == 1 and "nope" in one_line_error(result)
 
 
-def test_engine_from_another_machine_is_refused_naming_both_sides(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+def test_engine_from_another_machine_is_refused_naming_both_sides(
+    cli: Any, make_llama: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from toolchain.engine import tensorrt_backend
     from toolchain.errors import UserError
 
+    here = {"tensorrt": "10.9.0", "sm": "80", "gpu": "NVIDIA A100", "driver": "550", "cuda": "12.4"}
+    monkeypatch.setattr(tensorrt_backend, "versions", lambda: here)
     convert(make_llama(), tmp_path / "ckpt")
     build_engine(tmp_path / "ckpt", tmp_path / "e", BuildOptions(backend="onnxruntime"))
     inspected = cli("inspect", tmp_path / "e", "--json")
@@ -202,7 +206,53 @@ def test_engine_from_another_machine_is_refused_naming_both_sides(cli: Any, make
     config["backend"] = "tensorrt"  # as if built by TensorRT 10.13 on an H200
     config["compatibility"] = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
     path.write_text(json.dumps(config))
-    with pytest.raises(UserError, match=r"tensorrt 10\.13\.0 \(NVIDIA H200\), this machine has None"):
+    with pytest.raises(
+        UserError, match=r"tensorrt 10\.13\.0 \(NVIDIA H200\), this machine has 10\.9\.0 \(NVIDIA A100\)"
+    ):
         load_engine(tmp_path / "e")
     assert "built with    TensorRT 10.13.0, GPU NVIDIA H200 (SM 90)" in cli("inspect", tmp_path / "e").stdout
     load_engine(tmp_path / "e", backend="onnxruntime")  # its ONNX graph still runs on the CPU
+
+
+def test_bad_batches_are_refused(gqa_engine: OrtEngine) -> None:
+    pool = gqa_engine.new_kv_cache(4)
+    with pytest.raises(ValueError, match="outside the pool"):
+        gqa_engine.forward(Batch.from_sequences([[1, 2]], [0], [[-1]]), pool)
+    with pytest.raises(ValueError, match="outside the pool"):
+        gqa_engine.forward(Batch.from_sequences([[1, 2]], [0], [[4]]), pool)
+    bad = Batch.from_sequences([[1, 2]], [0], [[0]])
+    bad.position_ids[:] = [5, 6]  # not where the sequence's cache ends
+    with pytest.raises(ValueError, match="position_ids"):
+        gqa_engine.forward(bad, pool)
+    with pytest.raises(ValueError, match="KV pool"):
+        gqa_engine.forward(Batch.from_sequences([[1]], [0], [[0]]), pool[:1])
+
+
+def test_reference_ops_compute_in_float32_for_half_inputs() -> None:
+    """bf16 inputs: rotary angles, scores and softmax in float32 (bf16 cannot even hold position 1001)."""
+    from toolchain.engine.ops import AttentionAttrs, kv_cache_write, paged_attention
+
+    a = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16)
+    gen = torch.Generator().manual_seed(0)
+    qkv = torch.randn(8, 8 * 16, generator=gen).to(torch.bfloat16)
+    args = (torch.arange(1000, 1008, dtype=torch.int32), torch.tensor([1000]), torch.tensor([8]))
+    tables = torch.arange(64).reshape(1, 64).to(torch.int32)
+    results = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        pool = torch.zeros(1, 64, 2, 2, 16, 16, dtype=torch.float32)
+        q = kv_cache_write(a, qkv.to(dtype), *args, tables, pool)
+        results[dtype] = paged_attention(a, q.float(), *args, tables, pool)
+    torch.testing.assert_close(results[torch.bfloat16], results[torch.float32], rtol=2e-2, atol=2e-2)
+
+
+def test_half_precision_graph_is_valid_and_norms_in_float32(make_llama: Any, tmp_path: Path) -> None:
+    from toolchain.checkpoint.trtllm import load_rank, read_config
+    from toolchain.engine.export import export_model
+
+    convert(make_llama(), tmp_path / "ckpt")
+    model = export_model(read_config(tmp_path / "ckpt"), load_rank(tmp_path / "ckpt", 0), torch.float16, 16)
+    onnx.checker.check_model(model, full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
+    assert types["transformer.layers.0.input_layernorm.out.square"] == onnx.TensorProto.FLOAT
+    assert types["transformer.layers.0.attention.qkv.out"] == onnx.TensorProto.FLOAT16

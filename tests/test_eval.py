@@ -71,7 +71,15 @@ def test_eval_bad_input(cli: Any, tiny: Path, fp32_engine: Path, tmp_path: Path)
     line = one_line_error(cli(*base, "--gate", "kld_mean_max"))
     assert "NAME=NUMBER" in line
     line = one_line_error(cli(*base, "--gate", "golden_exact_min=1"))
-    assert "golden" in line
+    assert "--golden" in line
+    line = one_line_error(cli(*base, "--gate", "top1_min=5"))
+    assert "top1_min=5" in line
+    (tmp_path / "empty.jsonl").write_text('{"prompt": ""}\n')
+    assert "tokenizes to nothing" in one_line_error(cli(*base, "--golden", tmp_path / "empty.jsonl"))
+    (tmp_path / "r").mkdir()
+    line = one_line_error(cli(*base, "--gate", "kld_mean_max=1"))
+    assert "already exists" in line
+    (tmp_path / "r").rmdir()
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n{"text": 3}\n')
     line = one_line_error(cli(*base, "--golden", tmp_path / "bad.jsonl"))
     assert "bad.jsonl:2" in line

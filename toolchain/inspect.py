@@ -79,7 +79,8 @@ def _engine(directory: Path) -> dict[str, Any]:
             "cuda": compat.get("cuda"),
             "onnxruntime": config.get("onnxruntime"),
             # until the CUDA plugins have run on a GPU against the reference vectors (docs/kernels.md)
-            "plugins": "PagedAttention: reference op (CPU); CUDA kernel not yet verified on a GPU",
+            "plugins": "KVCacheWrite, PagedAttention: reference ops on the CPU engine; the CUDA kernels are not yet "
+            "verified on a GPU (docs/kernels.md)",
         },
     }
 

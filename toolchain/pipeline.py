@@ -60,7 +60,13 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         keys["quantize"] = _digest(upstream, recipe.seed, settings, _files(q.calib_data, q.eval_data))
         upstream = keys["quantize"]
     if recipe.build is not None:
-        keys["build"] = _digest(upstream, recipe.build.model_dump(mode="json"))
+        # what `auto` resolves to here, and what a plan is tied to, are inputs of the build too
+        from toolchain.engine import tensorrt_backend
+
+        machine = {"tensorrt": tensorrt_backend.available() is None}
+        if machine["tensorrt"] and recipe.build.backend != "onnxruntime":
+            machine.update(tensorrt_backend.versions())
+        keys["build"] = _digest(upstream, recipe.build.model_dump(mode="json"), machine)
         upstream = keys["build"]
     if recipe.eval is not None:
         e = recipe.eval
@@ -83,7 +89,19 @@ def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, 
         return None
     if manifest["details"].get("cache_key") != key:
         return None
-    shutil.copytree(src, tmp / STAGE_DIRS[stage], copy_function=os.link)
+    for entry in manifest["outputs"]:  # a file edited or removed since: not reusable
+        path = src / entry["path"]
+        if not path.is_file() or path.stat().st_size != entry["size"]:
+            console.warn(f"{stage}: {path} changed since it was written; running the stage again")
+            return None
+
+    def link_or_copy(a: str, b: str) -> None:
+        try:
+            os.link(a, b)
+        except OSError:  # a filesystem without hard links
+            shutil.copy2(a, b)
+
+    shutil.copytree(src, tmp / STAGE_DIRS[stage], copy_function=link_or_copy)
     summary: dict[str, Any] = manifest["details"].get("summary") or {}
     return {**summary, "cached": True}
 

@@ -7,11 +7,12 @@ the exclusive prefix sum of new_lens; it already has context_lens[s] tokens in t
 at positions context_lens[s] .. context_lens[s] + new_lens[s] - 1.
 
 The KV cache is ONE pool for all layers, [layers, blocks, 2 (K, V), kv_heads, tokens_per_block, head_size]: one
-binding. Each layer's KVCacheWrite node writes the new tokens' K (after rotary) and V into it and its
-PagedAttention node reads it; the graph threads it from layer to layer (`kv_cache` -> ... -> `present_kv_cache`),
-which orders the writes before the reads, and the
-executor binds input and output to the same memory, so nothing copies the pool (TensorRT-Edge-LLM binds past
-and present KV at one address rather than declaring plugin aliasing, which made TensorRT copy the pool). Token
+binding, an INPUT that the plugins update in place: every layer's KVCacheWrite node writes the new tokens' K
+(after rotary) and V into it, and its PagedAttention node reads it. Nothing threads the pool from node to node: a
+pool-sized plugin output is a tensor TensorRT would allocate and copy (TensorRT-Edge-LLM saw exactly that with
+declared aliasing, and binds past and present KV at one address instead; TensorRT-LLM passes pool pointers to
+its attention plugin the same way). The data dependencies order the accesses: PagedAttention consumes the q that
+KVCacheWrite produces, and the next layer's KVCacheWrite consumes what this layer's attention produced. Token
 position p of sequence s lives in block block_tables[s, p // tokens_per_block], slot p % tokens_per_block.
 
 `logits_index` picks the rows of the packed hidden states that reach lm_head: each sequence's last new token for
@@ -42,7 +43,6 @@ INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 OUTPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "logits": ("float32", ("num_outputs", "vocab_size")),
-    "present_kv_cache": ("kv", ("num_layers", "num_blocks", "2", "num_kv_heads", "tokens_per_block", "head_size")),
 }
 KV_DTYPES = {
     "float32": torch.float32,
@@ -73,8 +73,20 @@ class Batch:
         needed = -(-(self.context_lens + self.new_lens) // tokens_per_block)
         if s and int(needed.max()) > self.block_tables.shape[1]:
             raise ValueError("a sequence needs more blocks than block_tables has columns")
+        expected = np.concatenate(
+            [np.arange(c, c + k) for c, k in zip(self.context_lens, self.new_lens, strict=True)] or [np.zeros(0)]
+        )
+        if not np.array_equal(self.position_ids, expected):
+            raise ValueError("position_ids must run from context_lens[s] for each sequence's new tokens")
         if self.logits_index.size and not (self.logits_index.min() >= 0 and self.logits_index.max() < n):
             raise ValueError("logits_index out of range")
+
+    def check_blocks(self, num_blocks: int, tokens_per_block: int) -> None:
+        """Every block a sequence uses exists (a negative id would silently wrap around in the pool)."""
+        for s, (c, n) in enumerate(zip(self.context_lens, self.new_lens, strict=True)):
+            used = self.block_tables[s, : -(-(int(c) + int(n)) // tokens_per_block)]
+            if used.size and (used.min() < 0 or used.max() >= num_blocks):
+                raise ValueError(f"sequence {s}: block ids {used.tolist()} outside the pool's {num_blocks} blocks")
 
     @staticmethod
     def from_sequences(

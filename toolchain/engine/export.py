@@ -100,7 +100,7 @@ class _Exporter:
         self.group_size = q.group_size
         self.kv_dtype = {"INT8": "int8", "FP8": "fp8"}.get(q.kv_cache_quant_algo or "", _DTYPE_NAMES[dtype])
         b = self.b
-        self.eps = b.float_const("norm_epsilon", torch.tensor(cfg.norm_epsilon))
+        self.eps = b.const("norm_epsilon", torch.tensor(cfg.norm_epsilon, dtype=torch.float32))
         self.last_axis = b.const("axis_last", torch.tensor([-1], dtype=torch.int64))
 
     # -- building blocks --------------------------------------------------------------------------------------
@@ -110,11 +110,16 @@ class _Exporter:
         if f"{prefix}.bias" in w:  # LayerNorm (GPT-2)
             bias = b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"])
             return b.op("LayerNormalization", [x, weight, bias], out, axis=-1, epsilon=self.cfg.norm_epsilon)
-        # RMSNorm, x * 1/sqrt(mean(x²) + eps) * weight, in primitive ops every backend has
-        square = b.op("Mul", [x, x], f"{out}.square")
+        # RMSNorm, x * 1/sqrt(mean(x²) + eps) * weight, in primitive ops every backend has, computed in float32
+        # whatever the engine dtype (x² overflows fp16 from |x| = 256 on; residual streams go higher)
+        xf = x if b.onnx_dtype == TensorProto.FLOAT else b.op("Cast", [x], f"{out}.float", to=TensorProto.FLOAT)
+        square = b.op("Mul", [xf, xf], f"{out}.square")
         mean = b.op("ReduceMean", [square, self.last_axis], f"{out}.mean", keepdims=1)
         rms = b.op("Sqrt", [b.op("Add", [mean, self.eps], f"{out}.var_eps")], f"{out}.rms")
-        return b.op("Mul", [b.op("Div", [x, rms], f"{out}.normed"), weight], out)
+        normed = b.op("Div", [xf, rms], f"{out}.normed")
+        if b.onnx_dtype != TensorProto.FLOAT:
+            normed = b.op("Cast", [normed], f"{out}.normed_cast", to=b.onnx_dtype)
+        return b.op("Mul", [normed, weight], out)
 
     def _zero_point(self, kind: str) -> str:
         name = f"zero_point_{kind.lower()}"
@@ -123,21 +128,25 @@ class _Exporter:
         return name
 
     def _weight(self, prefix: str) -> str:
+        """The linear's weight [out, in] in the engine dtype; quantized weights through DequantizeLinear with
+        float32 scales (the quantize stage's own), cast to the engine dtype after."""
         b, w = self.b, self.w
         if f"{prefix}.weights_scaling_factor" not in w:
             return b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
-        scale = w[f"{prefix}.weights_scaling_factor"].to(self.b.dtype)
+        scale = w[f"{prefix}.weights_scaling_factor"].float()
         codes = w[f"{prefix}.weight"]
         if self.algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
             sname = b.const(f"{prefix}.weights_scaling_factor", scale)
-            return b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq", axis=0)
-        if self.algo == "FP8":
+            dq = b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq", axis=0)
+        elif self.algo == "FP8":
             sname = b.const(f"{prefix}.weights_scaling_factor", scale.reshape(()))
-            return b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq")
-        if self.algo in ("W4A16", "W4A16_AWQ"):
-            unpacked = unpack_int4(codes)  # [out, in padded to whole groups]
+            dq = b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq")
+        elif self.algo in ("W4A16", "W4A16_AWQ"):
+            # the checkpoint pads K to whole groups with zero columns; ONNX's blocked DequantizeLinear takes a
+            # partial last block, so the codes go in cut to K and no Slice sits between the weight and its GEMM
+            k = in_features(self.cfg, prefix)
             b._names.add(f"{prefix}.weight")
-            b.initializers.append(int4_proto(f"{prefix}.weight", unpacked))
+            b.initializers.append(int4_proto(f"{prefix}.weight", unpack_int4(codes)[:, :k]))
             sname = b.const(f"{prefix}.weights_scaling_factor", scale)
             dq = b.op(
                 "DequantizeLinear",
@@ -146,14 +155,11 @@ class _Exporter:
                 axis=1,
                 block_size=self.group_size,
             )
-            k = in_features(self.cfg, prefix)
-            if unpacked.shape[1] == k:
-                return dq
-            starts = b.const(f"{prefix}.slice_starts", torch.tensor([0], dtype=torch.int64))
-            ends = b.const(f"{prefix}.slice_ends", torch.tensor([k], dtype=torch.int64))
-            axes = b.const(f"{prefix}.slice_axes", torch.tensor([1], dtype=torch.int64))
-            return b.op("Slice", [dq, starts, ends, axes], f"{prefix}.weight_dq_cut")  # the zero-padded K
-        raise UserError(f"quant_algo {self.algo!r} has no ONNX export")
+        else:
+            raise UserError(f"quant_algo {self.algo!r} has no ONNX export")
+        if b.onnx_dtype == TensorProto.FLOAT:
+            return dq
+        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
 
     def linear(self, x: str, prefix: str) -> str:
         b, w = self.b, self.w
@@ -237,7 +243,6 @@ class _Exporter:
                 "transformer.position_embedding.weight", self.w["transformer.position_embedding.weight"]
             )
             h = b.op("Add", [h, b.op("Gather", [pos, "position_ids"], "position_embedding", axis=0)], "embedded")
-        kv = "kv_cache"
         q_dim = c.num_attention_heads * c.head_size
         for i in range(c.num_hidden_layers):
             layer = f"transformer.layers.{i}"
@@ -245,14 +250,13 @@ class _Exporter:
             qkv = self.linear(x, f"{layer}.attention.qkv")
             if c.qk_layernorm:
                 qkv = self.qk_norm(qkv, layer)
-            kv_out = "present_kv_cache" if i == c.num_hidden_layers - 1 else f"{layer}.present_kv_cache"
             attrs = self.attention_attrs(i)
             tables = ["position_ids", "context_lens", "new_lens", "block_tables"]
             b.nodes.append(
                 helper.make_node(
                     WRITE_OP,
-                    [qkv, *tables, kv],
-                    [f"{layer}.attention.q", kv_out],
+                    [qkv, *tables, "kv_cache"],
+                    [f"{layer}.attention.q"],
                     name=f"{layer}.attention/{WRITE_OP}",
                     domain=PLUGIN_DOMAIN,
                     **attrs.to_attributes(WRITE_OP),
@@ -261,7 +265,7 @@ class _Exporter:
             b.nodes.append(
                 helper.make_node(
                     ATTENTION_OP,
-                    [f"{layer}.attention.q", *tables, kv_out],
+                    [f"{layer}.attention.q", *tables, "kv_cache"],
                     [f"{layer}.attention.out"],
                     name=f"{layer}.attention/{ATTENTION_OP}",
                     domain=PLUGIN_DOMAIN,
@@ -270,9 +274,6 @@ class _Exporter:
             )
             for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
                 b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
-            if kv_out != "present_kv_cache":
-                b.value_info.append(self._kv_value_info(kv_out))
-            kv = kv_out
             h = b.op(
                 "Add", [h, self.linear(f"{layer}.attention.out", f"{layer}.attention.dense")], f"{layer}.attn_residual"
             )

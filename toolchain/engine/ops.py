@@ -5,8 +5,8 @@ Two ops per layer (domain `trtbuild`), each one CUDA kernel launch in the plugin
 
 KVCacheWrite
   inputs   qkv [num_tokens, (heads + 2 kv_heads) * head_size], position_ids [num_tokens], context_lens [num_seqs],
-           new_lens [num_seqs], block_tables [num_seqs, max_blocks], kv_cache (the pool, see contract.py)
-  outputs  q [num_tokens, heads * head_size] (after rotary), present_kv_cache (the same pool, written in place)
+           new_lens [num_seqs], block_tables [num_seqs, max_blocks], kv_cache (the pool, written in place)
+  outputs  q [num_tokens, heads * head_size] (after rotary)
   q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling); the
   new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots.
 
@@ -66,6 +66,8 @@ class AttentionAttrs:
             return None
         if self.rotary_scaling_type == "linear":
             return {"rope_type": "linear", "factor": self.rotary_scaling_factor}
+        if self.rotary_scaling_type != "llama3":
+            raise ValueError(f"rotary_scaling_type {self.rotary_scaling_type!r}: expected none, linear or llama3")
         return {
             "rope_type": "llama3",
             "factor": self.rotary_scaling_factor,
@@ -111,11 +113,13 @@ def kv_cache_write(
     return q after rotary [num_tokens, heads * head_size]."""
     del context_lens  # part of the op's inputs (the CUDA kernel checks positions against it); not needed here
     t, h, kvh, d = qkv.shape[0], a.num_heads, a.num_kv_heads, a.head_size
-    q, k, v = torch.split(qkv, [h * d, kvh * d, kvh * d], dim=-1)
+    dtype = qkv.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32  # rotary never in fp16 / bf16
+    q, k, v = torch.split(qkv.to(compute), [h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.reshape(t, h, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
     positions = position_ids.long()
     if a.rotary_style == "neox":
-        cos, sin = cos_sin(positions, d, a.rotary_base, a.rotary_scaling(), qkv.dtype)
+        cos, sin = cos_sin(positions, d, a.rotary_base, a.rotary_scaling(), compute)
         q = apply_rotary(q.transpose(0, 1), cos, sin).transpose(0, 1)
         k = apply_rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
     elif a.rotary_style != "none":
@@ -126,7 +130,7 @@ def kv_cache_write(
     pool = kv_cache[a.layer]  # a view: writes below land in the caller's pool
     pool[blocks, 0, :, slots] = _store(k, a, pool.dtype)
     pool[blocks, 1, :, slots] = _store(v, a, pool.dtype)
-    return q.reshape(t, h * d)
+    return q.reshape(t, h * d).to(dtype)
 
 
 def paged_attention(
@@ -140,10 +144,12 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached and new tokens, read from the pool."""
     t, h, kvh, d = q.shape[0], a.num_heads, a.num_kv_heads, a.head_size
-    q = q.reshape(t, h, d)
+    dtype = q.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32  # scores and softmax in fp32 at least
+    q = q.reshape(t, h, d).to(compute)
     positions = position_ids.long()
     pool = kv_cache[a.layer]
-    out = torch.empty(t, h, d, dtype=q.dtype)
+    out = torch.empty(t, h, d, dtype=compute)
     starts = torch.cumsum(new_lens.long(), 0) - new_lens.long()
     group = h // kvh
     for s in range(new_lens.shape[0]):
@@ -153,8 +159,8 @@ def paged_attention(
         total = ctx + n
         key_pos = torch.arange(total)
         kb, ks = block_tables.long()[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
-        keys = _load(pool[kb, 0, :, ks], a, q.dtype).repeat_interleave(group, dim=1)  # [total, h, d]
-        values = _load(pool[kb, 1, :, ks], a, q.dtype).repeat_interleave(group, dim=1)
+        keys = _load(pool[kb, 0, :, ks], a, compute).repeat_interleave(group, dim=1)  # [total, h, d]
+        values = _load(pool[kb, 1, :, ks], a, compute).repeat_interleave(group, dim=1)
         rows = slice(int(starts[s]), int(starts[s]) + n)
         query_pos = positions[rows][:, None]
         allowed = key_pos[None, :] <= query_pos
@@ -163,7 +169,7 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / math.sqrt(d)
         probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
-    return out.reshape(t, h * d)
+    return out.reshape(t, h * d).to(dtype)
 
 
 OPS = {"KVCacheWrite": kv_cache_write, "PagedAttention": paged_attention}

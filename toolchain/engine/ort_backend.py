@@ -4,7 +4,7 @@ implementations (ops.py).
 The graph is cut at its plugin nodes into segments of standard ops, one ONNX Runtime session each; a call runs
 segment, plugin node, segment, ... passing values by name. The KV pool never enters ONNX Runtime: it is one torch
 tensor the caller owns, handed to every plugin node, which writes the new tokens into it in place — the pool's
-`kv_cache` and `present_kv_cache` are the same memory, as a TensorRT engine binds them.
+pool is an input the plugins update in place, as a TensorRT engine's pool binding is.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from onnx import helper
 
 from toolchain.engine.contract import KV_DTYPES, PLUGIN_DOMAIN, Batch
 from toolchain.engine.ops import OPS, AttentionAttrs
+from toolchain.errors import UserError
 
 
 @dataclass
@@ -34,6 +35,17 @@ class _Plugin:
     attrs: AttentionAttrs
     inputs: list[str]
     outputs: list[str]
+
+
+def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model with large initializers' bytes dropped (dims and types kept), small enough to serialize for
+    shape inference whatever the model's size; small ones (shapes, axes) keep their values, which inference reads."""
+    skeleton = onnx.ModelProto()
+    skeleton.CopyFrom(model)
+    for tensor in skeleton.graph.initializer:
+        if len(tensor.raw_data) > 4096:
+            tensor.ClearField("raw_data")
+    return skeleton
 
 
 def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]]:
@@ -58,14 +70,17 @@ class OrtEngine:
     def __init__(self, model_path: Path, threads: int = 0):
         import onnxruntime as ort
 
-        model = onnx.load(str(model_path))
-        inferred = onnx.shape_inference.infer_shapes(model)
+        model = onnx.load(str(model_path))  # external data (past 2 GiB) included
+        inferred = onnx.shape_inference.infer_shapes(_skeleton(model))
         types = {v.name: v for v in [*inferred.graph.value_info, *model.graph.input, *model.graph.output]}
         inits = {t.name: t for t in model.graph.initializer}
         parts = _split(model)
         graph_outputs = {o.name for o in model.graph.output}
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        # one session per segment: idle thread pools must sleep, not spin, or they starve the next segment and
+        # the reference ops between them (bench/engine.py on 2 cores: decode 13x, prefill 6x slower when they spin)
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.steps: list[_Segment | _Plugin] = []
         for index, (nodes, plugin) in enumerate(parts):
             later: set[str] = set(graph_outputs)
@@ -89,6 +104,11 @@ class OrtEngine:
                 )
                 sub_model = helper.make_model(sub, opset_imports=[o for o in model.opset_import if o.domain == ""])
                 sub_model.ir_version = model.ir_version
+                if sub_model.ByteSize() >= 2**31:
+                    raise UserError(
+                        f"{model_path}: segment {index} of the graph holds over 2 GiB of weights, more than one ONNX "
+                        "Runtime session takes; the CPU engine runs models up to ~1.5 B parameters per layer group"
+                    )
                 session = ort.InferenceSession(
                     sub_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
                 )
@@ -116,16 +136,20 @@ class OrtEngine:
         return torch.zeros((self.num_layers, num_blocks, *self.kv_block_shape), dtype=dtype)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        expected = (self.num_layers, kv_cache.shape[1], *self.kv_block_shape)
+        dtype = torch.uint8 if self.kv_dtype == "fp8" else KV_DTYPES[self.kv_dtype]
+        if tuple(kv_cache.shape) != expected or kv_cache.dtype != dtype:
+            raise ValueError(f"KV pool {tuple(kv_cache.shape)} {kv_cache.dtype}; this engine needs [*, blocks] {dtype}")
         batch.check(self.tokens_per_block)
+        batch.check_blocks(kv_cache.shape[1], self.tokens_per_block)
         values: dict[str, np.ndarray] = dict(batch.feeds())
-        pool_names = {"kv_cache"}
         for step in self.steps:
             if isinstance(step, _Segment):
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
                 values.update(zip(step.outputs, results, strict=True))
                 continue
             x, pos, ctx, new, tables, pool = step.inputs
-            assert pool in pool_names, f"{pool} is not the KV pool"
+            assert pool == "kv_cache", f"{pool}: plugins take the pool itself"
             out = OPS[step.op](
                 step.attrs,
                 torch.from_numpy(values[x]),
@@ -136,5 +160,4 @@ class OrtEngine:
                 kv_cache,
             )
             values[step.outputs[0]] = out.numpy()
-            pool_names.update(step.outputs[1:])  # KVCacheWrite's present_kv_cache: the same pool, in place
         return values["logits"]

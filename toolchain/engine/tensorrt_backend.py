@@ -11,6 +11,7 @@ this backend says so instead of failing inside the parser.
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,15 +128,24 @@ def build_plan(
     for name, (low, opt, high) in _profile_shapes(limits, num_layers, kv_block).items():
         profile.set_shape(name, trt.Dims(list(low)), trt.Dims(list(opt)), trt.Dims(list(high)))
     config.add_optimization_profile(profile)
-    cache_path = (cache_dir or out_dir) / TIMING_CACHE_NAME
+    facts = versions()
+    cache_path = (cache_dir or _cache_dir()) / f"timing-trt{facts['tensorrt']}-sm{facts['sm']}.cache"
     cache = config.create_timing_cache(cache_path.read_bytes() if cache_path.is_file() else b"")
-    config.set_timing_cache(cache, ignore_mismatch=False)
+    if not config.set_timing_cache(cache, ignore_mismatch=False):
+        raise UserError(f"{cache_path}: TensorRT refused this timing cache; delete it and build again")
     plan = builder.build_serialized_network(network, config)
     if plan is None:
         raise UserError(f"{onnx_path}: TensorRT could not build an engine (see the TensorRT log above)")
     (out_dir / PLAN_NAME).write_bytes(bytes(memoryview(plan)))
-    cache_path.write_bytes(bytes(memoryview(config.get_timing_cache().serialize())))
+    cache_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = cache_path.with_suffix(f".tmp-{os.getpid()}")
+    partial.write_bytes(bytes(memoryview(config.get_timing_cache().serialize())))
+    os.replace(partial, cache_path)  # persistent across builds, replaced atomically
     engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(memoryview(plan)))
     inspector = engine.create_engine_inspector()
     (out_dir / LAYERS_NAME).write_text(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
-    return {"plan": PLAN_NAME, "layers": LAYERS_NAME, "timing_cache": str(cache_path), **versions()}
+    return {"plan": PLAN_NAME, "layers": LAYERS_NAME, "timing_cache": str(cache_path), **facts}
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtbuild"

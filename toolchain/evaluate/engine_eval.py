@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 import torch
 
 from toolchain import console
-from toolchain.atomic import atomic_dir
+from toolchain.atomic import atomic_dir, check_output_dir
 from toolchain.engine.contract import Batch
 from toolchain.engine.ort_backend import OrtEngine
 from toolchain.errors import UserError, read_utf8
@@ -68,7 +69,9 @@ class EngineSession:
             )
         pool = self.engine.new_kv_cache(self._blocks(total))
         table = [list(range(self._blocks(total)))]
-        logits = self.engine.forward(Batch.from_sequences([prompt], [0], table), pool)
+        chunk = self.limits["max_num_tokens"]
+        for at in range(0, len(prompt), chunk):  # chunked prefill within the engine's per-call token budget
+            logits = self.engine.forward(Batch.from_sequences([prompt[at : at + chunk]], [at], table), pool)
         generated = [int(logits[-1].argmax())]
         while len(generated) < new_tokens:
             step = Batch.from_sequences([[generated[-1]]], [len(prompt) + len(generated) - 1], table)
@@ -170,6 +173,8 @@ def evaluate_engine(
         tok = AutoTokenizer.from_pretrained(engine_dir)
         for item in read_golden(golden):
             ids = tok(item.prompt, add_special_tokens=True)["input_ids"]
+            if not ids:
+                raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
             got, want = session.greedy(ids, item.max_new_tokens), reference.greedy(ids, item.max_new_tokens)
             diverge = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
             golden_results.append(
@@ -230,7 +235,21 @@ def run_eval(
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
-    check_gates(gates or {}, dict.fromkeys((m for m, _ in GATES.values()), 0.0))  # names checked before work
+    for gate, limit in (gates or {}).items():  # everything a user can get wrong, before any work
+        if gate not in GATES:
+            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
+        if not math.isfinite(limit) or limit < 0 or (GATES[gate][1] == "min" and limit > 1):
+            raise UserError(f"gate {gate}={limit}: expected a finite value >= 0 (and <= 1 for a fraction)")
+        if gate == "golden_exact_min" and golden is None:
+            raise UserError("gate golden_exact_min needs golden prompts: pass --golden PROMPTS.jsonl")
+    if golden is not None:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(engine_dir)
+        for item in read_golden(golden):
+            if not tok(item.prompt, add_special_tokens=True)["input_ids"]:
+                raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
+    check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = load_engine(engine_dir, backend)
     result = evaluate_engine(engine, config["limits"], engine_dir, reference_dir, data, max_tokens, golden, gates or {})
     if engine_label is not None:

@@ -13,9 +13,9 @@ from toolchain.evaluate.quality import QualityReport
 
 def write_reports(result: dict[str, Any], out_dir: Path) -> list[Path]:
     paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n")
-    paths[1].write_text(markdown(result))
-    paths[2].write_text(page(result))
+    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    paths[1].write_text(markdown(result), encoding="utf-8")
+    paths[2].write_text(page(result), encoding="utf-8")
     return paths
 
 
