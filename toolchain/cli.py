@@ -459,6 +459,125 @@ def _stage_line(name: str, s: dict[str, Any]) -> str:
     return ""
 
 
+@app.command(
+    epilog="Example: `trtbuild generate demo/out/engine --prompt 'Once upon a time' --max-new-tokens 40 --stream`"
+)
+def generate(
+    engine_dir: Annotated[Path, typer.Argument(help="An engine directory from `trtbuild build`.")],
+    prompt: Annotated[str, typer.Option("--prompt", help="Text to continue.")],
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Tokens to generate at most.")] = 32,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0: greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling mass.")] = 1.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0: all).")] = 0,
+    seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate text with an engine through the in-flight batching runtime."""
+    from toolchain.engine.build import read_build_config
+    from toolchain.engine.runner import load_engine
+    from toolchain.runtime.loop import Runtime
+    from toolchain.runtime.request import Request, SamplingParams
+
+    with _handled():
+        config = read_build_config(engine_dir)
+        try:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(engine_dir)
+        except (OSError, ValueError) as e:
+            raise UserError(
+                f"{engine_dir}: no tokenizer in the engine directory; build from a model that has one"
+            ) from e
+        if not 0 < top_p <= 1:
+            raise UserError(f"--top-p {top_p}: must be in (0, 1]")
+        ids = tok(prompt)["input_ids"]
+        eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
+        printed = [0]
+
+        def decode(ids: list[int]) -> str:
+            return str(tok.decode(ids, skip_special_tokens=True))
+
+        def on_token(request: Request, _: int) -> None:
+            text = decode(request.generated)
+            typer.echo(text[printed[0] :], nl=False)
+            printed[0] = len(text)
+
+        rt = Runtime(load_engine(engine_dir), config["limits"], detokenize=decode)
+        request = rt.add_request(ids, params, on_token=on_token if stream and not json_out else None)
+        rt.run()
+        if request.error:
+            raise UserError(f"generation failed: {request.error}")
+    text = decode(request.generated)
+    stops: list[str] = stop or []
+    for marker in stops:
+        text = text.split(marker)[0]
+    if stream and not json_out:
+        typer.echo("")
+        return
+    result = {"prompt": prompt, "text": text, "tokens": request.generated, "finish_reason": request.finish_reason}
+    _emit(result, json_out, [text])
+
+
+@app.command(
+    "bench",
+    epilog="Example: `trtbuild bench demo/out/engine --trace ../shared/data/traces/AzureLLMInferenceTrace_conv.csv "
+    "--max-requests 200 --rate-scale 2 --plot kv.svg`",
+)
+def bench_(
+    engine_dir: Annotated[Path, typer.Argument(help="An engine directory from `trtbuild build`.")],
+    trace: Annotated[Path, typer.Option("--trace", help="Azure .csv or Mooncake .jsonl request trace.")],
+    rate_scale: Annotated[float, typer.Option("--rate-scale", min=0.001, help="Arrival rate multiplier.")] = 1.0,
+    max_requests: Annotated[int, typer.Option("--max-requests", min=1, help="First N requests of the trace.")] = 100,
+    policy: Annotated[
+        str, typer.Option(help="guaranteed_no_evict or max_utilization (preempts by recompute).")
+    ] = "max_utilization",
+    kv_blocks: Annotated[int, typer.Option("--kv-blocks", min=0, help="KV pool blocks; 0: the build's.")] = 0,
+    static: Annotated[bool, typer.Option("--static", help="Static batching baseline instead of in-flight.")] = False,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write KV-cache utilization over time (SVG).")] = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions."""
+    from toolchain.engine.build import read_build_config
+    from toolchain.engine.runner import load_engine
+    from toolchain.runtime.replay import replay, utilization_svg
+    from toolchain.runtime.scheduler import POLICIES
+    from toolchain.runtime.traces import load_trace
+
+    with _handled():
+        if policy not in POLICIES:
+            raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
+        config = read_build_config(engine_dir)
+        limits = config["limits"]
+        engine = load_engine(engine_dir)
+        requests, scale = load_trace(trace, limits["max_seq_len"], engine.vocab_size, max_requests, rate_scale)
+        console.info(f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})")
+        r = replay(engine, limits, requests, policy, kv_blocks or None, static)
+        r.update(trace=str(trace), length_scale=scale, rate_scale=rate_scale, policy=policy, static=static)
+        if plot:
+            utilization_svg(r["kv_utilization"], plot, f"KV blocks in use, {trace.name}")
+    slim = {k: v for k, v in r.items() if k != "kv_utilization"} if not json_out else r
+
+    def ms(d: dict[str, float | None]) -> str:
+        return " / ".join("-" if v is None else f"{1e3 * v:.0f}" for v in d.values())
+
+    _emit(
+        slim if not json_out else r,
+        json_out,
+        [
+            f"{r['completed']}/{r['requests']} completed, {r['failed']} failed, {r['preemptions']} preemptions, "
+            f"{r['wall_s']:.1f} s ({'static' if static else 'in-flight'} batching, {policy})",
+            f"  output        {r['output_tok_s']:.1f} tok/s ({r['output_tokens']} tokens)",
+            f"  TTFT ms       {ms(r['ttft_s'])} (p50 / p90 / p99)",
+            f"  TPOT ms       {ms(r['tpot_s'])}",
+            f"  queue ms      {ms(r['queue_s'])}",
+            f"  KV blocks     peak {100 * r['kv_utilization_max']:.0f} % in use",
+        ],
+    )
+
+
 plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
 

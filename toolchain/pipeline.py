@@ -4,9 +4,10 @@ sections — into one output directory.
 Layout: `recipe.yaml` (the resolved recipe), one sub-directory per stage (`checkpoint/`, `quantized/`, `engine/`,
 `report/`), each with its own manifest, and a top-level manifest over all of it.
 
-Stages are cached: each stage's manifest records a key, the sha256 of its settings, its input files' contents and
-the key of the stage it reads from. Re-running a recipe into the same output reuses every stage whose key is
-unchanged (hard links, no copy) and redoes the rest — an unchanged re-run does nothing and says so; changing only
+Stages are cached: each stage's manifest records a key, the sha256 of its settings, its input files' contents,
+trtbuild's own code and the key of the stage it reads from. Re-running a recipe into the same output reuses every
+stage whose key is unchanged (hard links, no copy) and redoes the rest — an unchanged re-run does nothing and says
+so; changing only
 the gates re-runs only eval. `--force` rebuilds every stage. The directory is still replaced atomically: a failed
 run leaves the previous output as it was.
 """
@@ -47,12 +48,18 @@ def _files(*paths: Path | None) -> dict[str, str]:
     return out
 
 
+def _code_digest() -> str:
+    """trtbuild's own code (Python and CUDA sources): a stage made by other code is not reused."""
+    root = Path(__file__).resolve().parent
+    files = sorted([*root.rglob("*.py"), *root.parent.glob("plugins/*.cu")])
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
 def _stage_keys(recipe: Recipe) -> dict[str, str]:
     """Every stage's cache key, chained: a stage's key includes the key of the stage it reads."""
     m = recipe.model
-    keys = {
-        "convert": _digest(__version__, m.dtype, m.allow_pickle, recipe.convert.tp, recipe.convert.pp, _files(m.path))
-    }
+    convert = (m.dtype, m.allow_pickle, recipe.convert.tp, recipe.convert.pp)
+    keys = {"convert": _digest(__version__, _code_digest(), convert, _files(m.path))}
     upstream = keys["convert"]
     if recipe.quantize is not None:
         q = recipe.quantize

@@ -125,6 +125,9 @@ def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
     return buf.view(info.dtype).reshape(info.shape)
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 class SafetensorsWriter:
     """Write a safetensors file tensor by tensor, in the order of the planned `infos`."""
 
@@ -156,8 +159,13 @@ class SafetensorsWriter:
         if len(data) >= _WRITEBACK_MIN and hasattr(os, "posix_fadvise"):
             # Start writing this tensor to disk now (Linux begins writeback of dirty pages on DONTNEED), so
             # the fsync at close has little left to wait for and the page cache does not fill with the model.
+            # Only whole pages inside this tensor's bytes: a sandboxed kernel (gVisor) was seen to lose the
+            # header's last page when the range began mid-page, under memory pressure.
             self._file.flush()
-            os.posix_fadvise(self._file.fileno(), start, len(data), os.POSIX_FADV_DONTNEED)
+            first = -(-start // _PAGE) * _PAGE
+            last = (start + len(data)) // _PAGE * _PAGE
+            if last > first:
+                os.posix_fadvise(self._file.fileno(), first, last - first, os.POSIX_FADV_DONTNEED)
 
     @property
     def sha256(self) -> str:

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from toolchain.checkpoint.hf import load_json
+from toolchain.checkpoint.safetensors_io import read_header, read_tensor
 from toolchain.errors import UserError
 
 CONFIG_NAME = "config.json"
@@ -172,4 +172,9 @@ def load_rank(directory: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     path = directory / rank_file(rank)
     if not path.is_file():
         raise UserError(f"{path} not found; is {directory} a converted checkpoint (trtbuild convert)?")
-    return load_file(str(path))
+    # Our validating reader (positioned reads), not safetensors' mmap: a damaged file gets a one-line error, and
+    # a file just written is read through the same path as it was written (a sandboxed kernel, gVisor, was seen
+    # serving stale mmap pages of freshly written checkpoints under memory pressure).
+    infos, _ = read_header(path)
+    with path.open("rb") as f:
+        return {name: read_tensor(f, info) for name, info in infos.items()}

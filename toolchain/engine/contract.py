@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2  # 2: attention as KVCacheWrite + PagedAttention, the pool an input updated in place
 PLUGIN_DOMAIN = "trtbuild"  # the plugins' namespace: ONNX custom-op domain and TensorRT plugin namespace
 WRITE_OP = "KVCacheWrite"  # rotary + KV store; plugin name = ONNX op_type = TensorRT plugin name
 ATTENTION_OP = "PagedAttention"  # attention over the paged pool

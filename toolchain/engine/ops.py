@@ -142,23 +142,28 @@ def paged_attention(
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
 ) -> torch.Tensor:
-    """Causal attention of each new token over its sequence's cached and new tokens, read from the pool."""
+    """Causal attention of each new token over its sequence's cached and new tokens, read from the pool.
+
+    Sequences with several new tokens (prefill chunks) are computed one by one, in the reference model's order of
+    operations; single-token sequences (decode steps) together in one vectorised pass — the same function, summed
+    in another order, which only matters where a quantizer downstream sits on a rounding boundary."""
     t, h, kvh, d = q.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     dtype = q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32  # scores and softmax in fp32 at least
+    group = h // kvh
     q = q.reshape(t, h, d).to(compute)
     positions = position_ids.long()
     pool = kv_cache[a.layer]
+    tables = block_tables.long()
     out = torch.empty(t, h, d, dtype=compute)
     starts = torch.cumsum(new_lens.long(), 0) - new_lens.long()
-    group = h // kvh
+    decodes = [s for s in range(new_lens.shape[0]) if int(new_lens[s]) == 1]
     for s in range(new_lens.shape[0]):
         n, ctx = int(new_lens[s]), int(context_lens[s])
-        if n == 0:
+        if n <= 1:
             continue
-        total = ctx + n
-        key_pos = torch.arange(total)
-        kb, ks = block_tables.long()[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
+        key_pos = torch.arange(ctx + n)
+        kb, ks = tables[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
         keys = _load(pool[kb, 0, :, ks], a, compute).repeat_interleave(group, dim=1)  # [total, h, d]
         values = _load(pool[kb, 1, :, ks], a, compute).repeat_interleave(group, dim=1)
         rows = slice(int(starts[s]), int(starts[s]) + n)
@@ -169,7 +174,38 @@ def paged_attention(
         scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / math.sqrt(d)
         probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
+    if decodes:
+        out[starts[decodes]] = _decode_attention(
+            a, q[starts[decodes]], positions[starts[decodes]], tables[decodes], pool, compute
+        )
     return out.reshape(t, h * d).to(dtype)
+
+
+def _decode_attention(
+    a: AttentionAttrs,
+    q: torch.Tensor,
+    positions: torch.Tensor,
+    tables: torch.Tensor,
+    pool: torch.Tensor,
+    compute: torch.dtype,
+) -> torch.Tensor:
+    """One query per sequence, all sequences at once: keys 0..L-1 of the longest, masked per sequence."""
+    n, h, d = q.shape
+    kvh = pool.shape[2]
+    query_pos = positions[:, None]
+    key_pos = torch.arange(int(positions.max()) + 1)[None, :]
+    valid = key_pos <= query_pos
+    if a.sliding_window:
+        valid &= query_pos - key_pos < a.sliding_window
+    column = (key_pos[0] // a.tokens_per_block).clamp_max(tables.shape[1] - 1)
+    blocks = tables[:, column]  # [n, L]; positions past a sequence are masked
+    slots = (key_pos % a.tokens_per_block).expand_as(blocks)
+    keys = _load(pool[blocks, 0, :, slots], a, compute).masked_fill(~valid[..., None, None], 0)  # [n, L, kvh, d]
+    values = _load(pool[blocks, 1, :, slots], a, compute).masked_fill(~valid[..., None, None], 0)
+    qg = q.view(n, kvh, h // kvh, d)  # query head k * group + g reads KV head k
+    scores = torch.einsum("nkgd,nlkd->nkgl", qg, keys) / math.sqrt(d)
+    probs = scores.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("nkgl,nlkd->nkgd", probs, values).reshape(n, h, d)
 
 
 OPS = {"KVCacheWrite": kv_cache_write, "PagedAttention": paged_attention}

@@ -117,9 +117,11 @@ class OrtEngine:
                 attrs = {a.name: helper.get_attribute_value(a) for a in plugin.attribute}
                 attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
                 op = plugin.op_type
-                self.steps.append(
-                    _Plugin(op, AttentionAttrs.from_attributes(op, attrs), list(plugin.input), list(plugin.output))
-                )
+                try:
+                    parsed = AttentionAttrs.from_attributes(op, attrs)
+                except (TypeError, ValueError) as e:
+                    raise UserError(f"{model_path}: {e}; the graph is from another trtbuild version, rebuild it") from e
+                self.steps.append(_Plugin(op, parsed, list(plugin.input), list(plugin.output)))
         first = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
         kv_input = next(i for i in model.graph.input if i.name == "kv_cache")
         dims = kv_input.type.tensor_type.shape.dim

@@ -1,0 +1,76 @@
+"""A request's state through the runtime: waiting -> running -> finished / cancelled / failed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: no limit
+    top_p: float = 1.0
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = 0.0  # runtime clock when it was added
+    deadline: float | None = None  # runtime clock after which it fails with a timeout
+    on_token: Callable[[Request, int], None] | None = None  # streaming: called with each new token
+    status: Status = Status.WAITING
+    generated: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)  # the block table
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    finish_reason: str | None = None  # length, stop_token, stop_string, cancelled, timeout, error
+    error: str | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+    generator: torch.Generator = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def tokens(self) -> list[int]:
+        """Everything the model must have seen before the next sample: prompt and generated tokens."""
+        return self.prompt + self.generated
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to feed to the engine before the next token can be sampled."""
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.CANCELLED, Status.FAILED)

@@ -1,0 +1,25 @@
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus), each request with its own seeded generator."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from toolchain.runtime.request import SamplingParams
+
+
+def sample(logits: np.ndarray, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits [vocab]."""
+    if params.temperature == 0:
+        return int(np.argmax(logits))
+    scores = torch.from_numpy(np.asarray(logits, dtype=np.float64)) / params.temperature
+    if params.top_k and params.top_k < scores.numel():
+        kth = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        ordered, index = torch.sort(probs, descending=True)
+        before = torch.cumsum(ordered, 0) - ordered  # mass strictly above each token: keep while < top_p
+        ordered = ordered.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(0, index, ordered)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

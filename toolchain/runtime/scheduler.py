@@ -1,0 +1,134 @@
+"""Which requests run in the next engine call, and with how many tokens.
+
+Per step: a token budget (`max_num_tokens`) and a sequence budget (`max_batch_size`). Decode steps go first (one
+token each: they protect the latency of requests already streaming); prefill chunks fill the rest of the budget,
+continuing prefills before new admissions (first come, first served). Policies:
+- guaranteed_no_evict: admit a request only when the blocks for its whole prompt and max_new_tokens are free, and
+  take them at once; nothing is ever preempted.
+- max_utilization: admit while the prompt's next chunk fits; take blocks as tokens arrive; when a decode finds no
+  free block, preempt the most recently admitted running request (its blocks are freed and it is recomputed later,
+  prompt and generated tokens together).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from toolchain.runtime.blocks import BlockManager
+from toolchain.runtime.request import Request, Status
+
+POLICIES = ("guaranteed_no_evict", "max_utilization")
+
+
+@dataclass
+class Scheduled:
+    request: Request
+    tokens: list[int]  # fed this step
+    context_len: int  # already in the cache
+
+
+class Scheduler:
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        max_seq_len: int,
+        policy: str = "max_utilization",
+    ):
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        self.blocks, self.policy = blocks, policy
+        self.max_batch_size, self.max_num_tokens, self.max_seq_len = max_batch_size, max_num_tokens, max_seq_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preempted = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.blocks.tokens_per_block)
+
+    def _grow(self, request: Request, tokens: int) -> bool:
+        """Give `request` blocks for `tokens` tokens in total; False (nothing taken) if there are not enough."""
+        need = self._blocks_for(tokens) - len(request.blocks)
+        if need <= 0:
+            return True
+        if not self.blocks.can_allocate(need, keep_watermark=False):
+            return False
+        request.blocks += [self.blocks.allocate() for _ in range(need)]
+        return True
+
+    def free(self, request: Request) -> None:
+        self.blocks.release(request.blocks)
+        request.blocks = []
+        if request in self.running:
+            self.running.remove(request)
+
+    def _preempt(self, victim: Request) -> None:
+        self.free(victim)
+        victim.num_computed = 0
+        victim.status = Status.WAITING
+        victim.preemptions += 1
+        self.preempted += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self) -> list[Scheduled]:
+        out: list[Scheduled] = []
+        budget = self.max_num_tokens
+        # 1. decodes, oldest first
+        for request in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival):
+            if request not in self.running or budget == 0:
+                continue
+            while not self._grow(request, request.num_computed + 1):
+                scheduled = {id(s.request) for s in out}
+                victim = next(r for r in reversed(self.running) if id(r) not in scheduled)  # most recently admitted
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request in self.running:
+                out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed))
+                budget -= 1
+        # 2. prefills in progress, then 3. admissions, while budget and batch room remain
+        for request in [r for r in self.running if r.pending > 1]:
+            if budget == 0 or len(out) >= self.max_batch_size:
+                break
+            chunk = min(request.pending, budget)
+            if not self._grow(request, request.num_computed + chunk):
+                continue
+            out.append(
+                Scheduled(
+                    request, request.tokens[request.num_computed : request.num_computed + chunk], request.num_computed
+                )
+            )
+            budget -= chunk
+        while (
+            self.waiting and budget > 0 and len(self.running) < self.max_batch_size and len(out) < self.max_batch_size
+        ):
+            request = self.waiting[0]
+            total = len(request.tokens) + request.params.max_new_tokens - len(request.generated)
+            if self.policy == "guaranteed_no_evict":
+                reserve = self._blocks_for(total)
+                if not self.blocks.can_allocate(reserve):
+                    break
+            shared = self.blocks.match_prefix(request.tokens)
+            request.blocks = shared
+            request.num_computed = len(shared) * self.blocks.tokens_per_block
+            chunk = min(request.pending, budget)
+            target = total if self.policy == "guaranteed_no_evict" else request.num_computed + chunk
+            if not self.blocks.can_allocate(self._blocks_for(target) - len(shared)) or not self._grow(request, target):
+                self.blocks.release(shared)
+                request.blocks, request.num_computed = [], 0
+                break
+            self.waiting.popleft()
+            request.status = Status.RUNNING
+            self.running.append(request)
+            out.append(
+                Scheduled(
+                    request, request.tokens[request.num_computed : request.num_computed + chunk], request.num_computed
+                )
+            )
+            budget -= chunk
+        return out
