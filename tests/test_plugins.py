@@ -40,6 +40,13 @@ def test_every_kernel_compiles_for_every_sm_without_spills(build_dir: Path, cli:
     assert all(b["cached"] for b in info["archs"].values())  # cached by source hash: nothing recompiled
 
 
+def test_compiling_leaves_the_interpreter_intact(tmp_path: Path) -> None:
+    """NVRTC writes into the buffers it is given; an empty log once overwrote Python's cached b" " object,
+    which then corrupted every safetensors header padded afterwards in the same process."""
+    compile_plugins(("sm_80",), tmp_path)  # not cached here: NVRTC really runs
+    assert bytes([0x20]) == b" " * 1 and bytes([0x20] * 3) == b" " * 3
+
+
 def _unbits(array: np.ndarray, kind: str) -> torch.Tensor:
     t = torch.from_numpy(array.copy())
     return t.view(HALF[kind]) if kind in HALF else t

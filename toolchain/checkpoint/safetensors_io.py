@@ -159,8 +159,7 @@ class SafetensorsWriter:
         if len(data) >= _WRITEBACK_MIN and hasattr(os, "posix_fadvise"):
             # Start writing this tensor to disk now (Linux begins writeback of dirty pages on DONTNEED), so
             # the fsync at close has little left to wait for and the page cache does not fill with the model.
-            # Only whole pages inside this tensor's bytes: a sandboxed kernel (gVisor) was seen to lose the
-            # header's last page when the range began mid-page, under memory pressure.
+            # Whole pages inside this tensor's bytes only: the pages it shares with its neighbours are left alone.
             self._file.flush()
             first = -(-start // _PAGE) * _PAGE
             last = (start + len(data)) // _PAGE * _PAGE

@@ -172,9 +172,8 @@ def load_rank(directory: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     path = directory / rank_file(rank)
     if not path.is_file():
         raise UserError(f"{path} not found; is {directory} a converted checkpoint (trtbuild convert)?")
-    # Our validating reader (positioned reads), not safetensors' mmap: a damaged file gets a one-line error, and
-    # a file just written is read through the same path as it was written (a sandboxed kernel, gVisor, was seen
-    # serving stale mmap pages of freshly written checkpoints under memory pressure).
+    # Our validating reader (positioned reads, as convert reads its inputs): a damaged file gets a one-line error
+    # naming it instead of the library's exception, and no page of it is mapped into the process.
     infos, _ = read_header(path)
     with path.open("rb") as f:
         return {name: read_tensor(f, info) for name, info in infos.items()}

@@ -76,22 +76,25 @@ def _compile_one(source: bytes, name: str, options: list[str]) -> tuple[bytes, s
     try:
         opts = [o.encode() for o in options]
         err = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)[0]
+        # NVRTC writes into the buffer it is given: always a fresh bytearray. (`b" " * size` is the interpreter's
+        # cached one-byte object when size is 1 — an empty log — and NVRTC's NUL then turns every b" " in the
+        # process into b"\x00": seen here corrupting the padding of safetensors headers written afterwards.)
         size = _check(nvrtc.nvrtcGetProgramLogSize(prog), "log size")
-        buf = b" " * size
+        buf = bytearray(size)
         nvrtc.nvrtcGetProgramLog(prog, buf)
-        log = buf.rstrip(b"\x00 ").decode(errors="replace")
+        log = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         if int(err) != 0:
             raise UserError(f"{name}: compilation failed for {options[0]}:\n{log}")
         real = any(o.startswith("--gpu-architecture=sm_") for o in options)
         if real:
             size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
-            out = b" " * size
+            out = bytearray(size)
             nvrtc.nvrtcGetCUBIN(prog, out)
         else:
             size = _check(nvrtc.nvrtcGetPTXSize(prog), "ptx size")
-            out = b" " * size
+            out = bytearray(size)
             nvrtc.nvrtcGetPTX(prog, out)
-        return out, log
+        return bytes(out), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
