@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/convert.py
 	$(BIN)/python bench/quantize.py
 	$(BIN)/python bench/engine.py
+	$(BIN)/python bench/ifb.py
 
 # On a GPU machine (the device tool's H200 image has torch, cuda-bindings, NVRTC and compute-sanitizer): compile the
 # plugins for its SM, replay tests/vectors through them, sanitize, time; writes gpu-check.json/.md to $$OUT or .

@@ -50,7 +50,8 @@ class BlockManager:
 
     def release(self, blocks: list[int]) -> None:
         for block in blocks:
-            assert self.refcount[block] > 0, f"block {block} freed twice"
+            if self.refcount[block] <= 0:
+                raise RuntimeError(f"KV block {block} released more often than it was taken")
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
                 self.free[block] = None

@@ -62,11 +62,15 @@ class Runtime:
         if request_id:
             request.id = request_id
         request.deadline = now + timeout if timeout else None
-        self.requests[request.id] = request
         total = len(prompt) + request.params.max_new_tokens
         vocab = getattr(self.engine, "vocab_size", None)
+        if request.id in self.requests:
+            raise ValueError(f"request id {request.id!r} is already in use")
+        self.requests[request.id] = request
         if not prompt:
             self._fail(request, "empty prompt")
+        elif request.params.stop_strings and self.detokenize is None:
+            self._fail(request, "stop strings need a tokenizer (detokenize) in the runtime")
         elif vocab is not None and not all(0 <= t < vocab for t in prompt):
             self._fail(request, f"prompt has token ids outside the vocabulary [0, {vocab})")
         elif total > self.limits["max_seq_len"]:
@@ -124,8 +128,11 @@ class Runtime:
         )
         logits = self.engine.forward(batch, self.pool)
         self.steps += 1
+        streamed: list[tuple[Request, int]] = []
         for s, row in zip(scheduled, logits, strict=True):
             request = s.request
+            if request.done:  # cancelled while this step ran
+                continue
             request.num_computed += len(s.tokens)
             self.blocks.register(request.tokens, request.blocks, request.num_computed)
             if request.pending:  # a prefill chunk with more to come: its logits are not a prediction yet
@@ -134,12 +141,14 @@ class Runtime:
             request.generated.append(token)
             if request.first_token is None:
                 request.first_token = self.clock()
-            if request.on_token is not None:
-                request.on_token(request, token)
+            streamed.append((request, token))
             reason = self._stop_reason(request, token)
             if reason:
                 self._retire(request, Status.FINISHED, reason)
                 ended.append(request)
+        for request, token in streamed:  # user code last, on a consistent state (it may cancel requests)
+            if request.on_token is not None:
+                request.on_token(request, token)
         self.utilization.append((self.clock(), self.blocks.num_used / self.blocks.num_blocks))
         return ended
 

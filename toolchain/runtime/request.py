@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0: greedy
     top_k: int = 0  # 0: no limit
     top_p: float = 1.0
-    seed: int = 0
+    seed: int | None = None  # None: a fresh random seed per request
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
 
@@ -59,7 +60,8 @@ class Request:
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(self.params.seed)
+        seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        self.generator = torch.Generator().manual_seed(seed)
 
     @property
     def tokens(self) -> list[int]:

@@ -13,9 +13,10 @@ def sample(logits: np.ndarray, params: SamplingParams, generator: torch.Generato
     if params.temperature == 0:
         return int(np.argmax(logits))
     scores = torch.from_numpy(np.asarray(logits, dtype=np.float64)) / params.temperature
-    if params.top_k and params.top_k < scores.numel():
-        kth = torch.topk(scores, params.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if params.top_k and params.top_k < scores.numel():  # exactly k tokens, ties at the k-th broken by index
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep[torch.topk(scores, params.top_k).indices] = True
+        scores = scores.masked_fill(~keep, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
         ordered, index = torch.sort(probs, descending=True)

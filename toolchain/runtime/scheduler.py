@@ -92,18 +92,27 @@ class Scheduler:
                 out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed))
                 budget -= 1
         # 2. prefills in progress, then 3. admissions, while budget and batch room remain
+        starved = False
         for request in [r for r in self.running if r.pending > 1]:
             if budget == 0 or len(out) >= self.max_batch_size:
                 break
             chunk = min(request.pending, budget)
             if not self._grow(request, request.num_computed + chunk):
-                continue
+                # shrink the chunk to the blocks there are; with none, admit nobody new this step, so that the
+                # blocks finishing requests free go to this prefill instead of to newcomers
+                room = (len(request.blocks) + self.blocks.num_free) * self.blocks.tokens_per_block
+                chunk = min(chunk, room - request.num_computed)
+                if chunk <= 0 or not self._grow(request, request.num_computed + chunk):
+                    starved = True
+                    continue
             out.append(
                 Scheduled(
                     request, request.tokens[request.num_computed : request.num_computed + chunk], request.num_computed
                 )
             )
             budget -= chunk
+        if starved:
+            return out
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_batch_size and len(out) < self.max_batch_size
         ):
