@@ -166,3 +166,14 @@ def test_awq_beats_rtn_on_stories260k(stories_ckpt: Path, tmp_path: Path) -> Non
     w = load_file(str(tmp_path / "w4a16_awq" / "rank0.safetensors"))
     assert w["transformer.layers.0.mlp.proj.prequant_scaling_factor"].shape == (172,)
     assert read_config(tmp_path / "w4a16_awq").quantization.pre_quant_scale
+
+
+@pytest.mark.parametrize(("method", "group"), [("w8a16", 128), ("w4a16", 64)])
+def test_streaming_quantize_writes_the_same_bytes(method: str, group: int, stories_ckpt: Path, tmp_path: Path) -> None:
+    """Round-to-nearest without calibration streams tensor by tensor; the output is byte-identical to the
+    in-memory path (K = 172 padded to whole groups included)."""
+    opts = QuantizeOptions(method, group_size=group)
+    quantize_checkpoint(stories_ckpt, tmp_path / "mem", opts, stream=False)
+    quantize_checkpoint(stories_ckpt, tmp_path / "stream", opts, stream=True)
+    for name in ("rank0.safetensors", "config.json"):
+        assert (tmp_path / "mem" / name).read_bytes() == (tmp_path / "stream" / name).read_bytes()

@@ -20,6 +20,7 @@ Every scale is a dequantization factor: value = code * scale.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Collection
 
 import torch
 
@@ -42,8 +43,8 @@ DEFAULT_EXCLUDE = ("lm_head",)
 _LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 
 
-def quantizable(weights: dict[str, torch.Tensor]) -> list[str]:
-    """Linear-layer prefixes that may be quantized: every layer's linears, and lm_head."""
+def quantizable(weights: Collection[str]) -> list[str]:
+    """Linear-layer prefixes that may be quantized, from the tensor names: every layer's linears, and lm_head."""
     prefixes = [n.removesuffix(".weight") for n in weights if n.endswith(tuple(f"{m}.weight" for m in _LINEARS))]
     return sorted(prefixes) + (["lm_head"] if "lm_head.weight" in weights else [])
 

@@ -3,6 +3,9 @@
 Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); AWQ input-channel
 scales (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
 KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
+
+Memory: w8a16 / w4a16 with no KV cache and no --eval-data stream, one tensor in memory at a time (byte-identical
+to the in-memory path); the methods that calibrate load the checkpoint and a float32 reference of it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch.nn.functional as F
 from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_FILES
-from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo
+from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
 from toolchain.checkpoint.trtllm import CONFIG_NAME, QuantConfig, load_rank, rank_file, read_config, write_config
 from toolchain.errors import UserError
 from toolchain.evaluate.quality import QualityReport, compare
@@ -141,14 +144,27 @@ def quantize_checkpoint(
     eval_tokens: int = 50_000,
     force: bool = False,
     record: StageRecord | None = None,
+    stream: bool | None = None,
 ) -> dict[str, Any]:
+    """`stream` (default: when possible): round-to-nearest without calibration or evaluation reads, quantizes and
+    writes one tensor at a time, so peak memory is one weight, not the model."""
     cfg = read_config(source)
     if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
         raise UserError(f"{source} is already quantized ({cfg.quantization.quant_algo}); quantize the unquantized one")
     if cfg.mapping.world_size != 1:
         raise UserError(f"{source} has {cfg.mapping.world_size} ranks; quantize a tp=1 pp=1 checkpoint")
-    weights = load_rank(source, 0)
-    linears = quantizable(weights)
+    can_stream = opts.method in ("w8a16", "w4a16") and opts.kv_cache == "none" and eval_data is None
+    stream = can_stream if stream is None else stream and can_stream
+    rank_path = source / rank_file(0)
+    weights: dict[str, torch.Tensor] = {}
+    if stream:
+        if not rank_path.is_file():
+            raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
+        header, _ = read_header(rank_path)
+        linears = quantizable(header)
+    else:
+        weights = load_rank(source, 0)
+        linears = quantizable(weights)
     chosen = [p for p in linears if not excluded(p, opts.exclude)]
     # The float reference (a float32 copy of the weights) only when calibration or evaluation needs it
     model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
@@ -158,7 +174,7 @@ def quantize_checkpoint(
         for i in range(cfg.num_hidden_layers):
             prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
             out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
-    for prefix in chosen:
+    for prefix in [] if stream else chosen:  # streaming quantizes while writing
         out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype))
     kv_algo = KV_CACHE[opts.kv_cache]
     if kv_algo:
@@ -187,10 +203,13 @@ def quantize_checkpoint(
     with atomic_dir(out_dir, force, inputs=(source,)) as tmp:
         record.add_inputs(source, [source / CONFIG_NAME, source / rank_file(0)])
         write_config(tmp, qcfg)
-        infos = [TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in sorted(out.items())]
-        with SafetensorsWriter(tmp / rank_file(0), infos, {"format": "pt"}) as writer:
-            for name, tensor in sorted(out.items()):
-                writer.write(name, tensor.contiguous())
+        if stream:
+            _write_streaming(rank_path, tmp / rank_file(0), opts, set(chosen), cfg.torch_dtype)
+        else:
+            infos = [TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in sorted(out.items())]
+            with SafetensorsWriter(tmp / rank_file(0), infos, {"format": "pt"}) as writer:
+                for name, tensor in sorted(out.items()):
+                    writer.write(name, tensor.contiguous())
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)
@@ -209,6 +228,50 @@ def quantize_checkpoint(
         "outputs": manifest["outputs"],
         "wall_time_s": manifest["wall_time_s"],
     }
+
+
+def _planned(opts: QuantizeOptions, prefix: str, info: TensorInfo) -> dict[str, TensorInfo]:
+    """The tensors `_quantize_linear` makes of one round-to-nearest linear, without computing them."""
+    out_dim, in_dim = info.shape
+    if opts.method == "w8a16":
+        return {
+            f"{prefix}.weight": TensorInfo(f"{prefix}.weight", torch.int8, (out_dim, in_dim)),
+            f"{prefix}.weights_scaling_factor": TensorInfo(
+                f"{prefix}.weights_scaling_factor", torch.float32, (out_dim,)
+            ),
+        }
+    if out_dim % 2:
+        raise UserError(f"{prefix}: {out_dim} output channels; int4 packing needs an even number")
+    padded = in_dim + (-in_dim % opts.group_size)
+    return {
+        f"{prefix}.weight": TensorInfo(f"{prefix}.weight", torch.int8, (out_dim // 2, padded)),
+        f"{prefix}.weights_scaling_factor": TensorInfo(
+            f"{prefix}.weights_scaling_factor", torch.float32, (out_dim, padded // opts.group_size)
+        ),
+    }
+
+
+def _write_streaming(src: Path, dst: Path, opts: QuantizeOptions, chosen: set[str], dtype: torch.dtype) -> None:
+    """Same names, order and bytes as the in-memory path, one source tensor in memory at a time."""
+    header, _ = read_header(src)
+    plan: dict[str, TensorInfo] = {}
+    for name, info in header.items():
+        prefix = name.removesuffix(".weight")
+        if name.endswith(".weight") and prefix in chosen:
+            plan.update(_planned(opts, prefix, info))
+        else:
+            plan[name] = TensorInfo(name, info.dtype, info.shape)
+    made: dict[str, torch.Tensor] = {}  # a linear's scales, between its codes and their turn to be written
+    with src.open("rb") as f, SafetensorsWriter(dst, [plan[n] for n in sorted(plan)], {"format": "pt"}) as writer:
+        for name in sorted(plan):
+            if name not in made:
+                prefix = name.removesuffix(".weight")
+                if name.endswith(".weight") and prefix in chosen:
+                    weight = read_tensor(f, header[name])
+                    made.update(_quantize_linear(opts, prefix, weight, Calibration(), dtype))
+                else:
+                    made[name] = read_tensor(f, header[name])
+            writer.write(name, made.pop(name).contiguous())
 
 
 def _quality(source: Path, quantized: Path, base: ReferenceModel, eval_data: Path, limit: int) -> QualityReport:
