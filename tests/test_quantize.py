@@ -177,3 +177,14 @@ def test_streaming_quantize_writes_the_same_bytes(method: str, group: int, stori
     quantize_checkpoint(stories_ckpt, tmp_path / "stream", opts, stream=True)
     for name in ("rank0.safetensors", "config.json"):
         assert (tmp_path / "mem" / name).read_bytes() == (tmp_path / "stream" / name).read_bytes()
+
+
+@pytest.mark.parametrize(("method", "kv"), [("w4a16_awq", "none"), ("w8a8_sq", "int8"), ("fp8", "fp8")])
+def test_layerwise_calibration_writes_the_same_bytes(method: str, kv: str, stories_ckpt: Path, tmp_path: Path) -> None:
+    """Calibrating methods go one layer at a time; statistics, scales and bytes equal calibrating the whole
+    model first."""
+    opts = QuantizeOptions(method, kv, 32, calib_data=WIKI / "valid.txt", calib_samples=12, calib_seq_len=64)
+    quantize_checkpoint(stories_ckpt, tmp_path / "mem", opts, stream=False)
+    quantize_checkpoint(stories_ckpt, tmp_path / "layers", opts)
+    for name in ("rank0.safetensors", "config.json"):
+        assert (tmp_path / "mem" / name).read_bytes() == (tmp_path / "layers" / name).read_bytes()

@@ -28,7 +28,7 @@ class Calibration:
         return self.input_abs_sum[prefix] / self.tokens[prefix]
 
 
-class _Observer(Hooks):
+class Observer(Hooks):
     def __init__(self, calibration: Calibration) -> None:
         self.calibration = calibration
 
@@ -70,7 +70,7 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
 
 def calibrate(model: ReferenceModel, windows: torch.Tensor, batch: int = 8) -> Calibration:
     calibration = Calibration()
-    model.hooks = _Observer(calibration)
+    model.hooks = Observer(calibration)
     try:
         for start in range(0, windows.shape[0], batch):
             model.forward(windows[start : start + batch])

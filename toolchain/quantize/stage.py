@@ -4,8 +4,10 @@ Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 pe
 scales (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
 KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
 
-Memory: w8a16 / w4a16 with no KV cache and no --eval-data stream, one tensor in memory at a time (byte-identical
-to the in-memory path); the methods that calibrate load the checkpoint and a float32 reference of it.
+Memory: w8a16 / w4a16 with no KV cache and no --eval-data stream, one tensor in memory at a time; the methods that
+calibrate go layer by layer (one layer's float weights, the calibration hidden states, and the quantized model so
+far). Both are byte-identical to the in-memory path, which --eval-data still takes (it needs the whole float
+model as the reference).
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
-from toolchain.checkpoint.trtllm import CONFIG_NAME, QuantConfig, load_rank, rank_file, read_config, write_config
+from toolchain.checkpoint.trtllm import (
+    CONFIG_NAME,
+    ModelConfig,
+    QuantConfig,
+    load_rank,
+    rank_file,
+    read_config,
+    write_config,
+)
 from toolchain.errors import UserError
 from toolchain.evaluate.quality import QualityReport, compare
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quantize.awq import search_scales
-from toolchain.quantize.calibrate import Calibration, calibrate, sample_windows
+from toolchain.quantize.calibrate import Calibration, Observer, calibrate, sample_windows
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
     pack_int4,
@@ -48,7 +58,7 @@ from toolchain.quantize.scheme import (
     quantizable,
 )
 from toolchain.quantize.smoothquant import smooth_layer
-from toolchain.reference.model import ReferenceModel
+from toolchain.reference.model import Hooks, ReferenceModel
 
 
 @dataclass(frozen=True)
@@ -114,11 +124,7 @@ def _quantize_linear(
     }
 
 
-def _calibration(
-    source: Path, opts: QuantizeOptions, model: ReferenceModel | None
-) -> tuple[Calibration, dict[str, Any]]:
-    if model is None or not opts.needs_calibration:
-        return Calibration(), {}
+def _windows(source: Path, opts: QuantizeOptions) -> tuple[torch.Tensor, dict[str, Any]]:
     if opts.calib_data is None:
         raise UserError(
             f"--method {opts.method} / --kv-cache {opts.kv_cache} needs calibration text: pass --calib-data"
@@ -133,7 +139,61 @@ def _calibration(
         "seq_len": opts.calib_seq_len,
         "seed": opts.seed,
     }
+    return windows, info
+
+
+def _calibration(
+    source: Path, opts: QuantizeOptions, model: ReferenceModel | None
+) -> tuple[Calibration, dict[str, Any]]:
+    if model is None or not opts.needs_calibration:
+        return Calibration(), {}
+    windows, info = _windows(source, opts)
     return calibrate(model, windows), info
+
+
+def _quantize_layerwise(
+    source: Path, cfg: ModelConfig, opts: QuantizeOptions, chosen: set[str], windows: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], Calibration]:
+    """Calibrate and quantize one decoder layer at a time: the calibration windows' hidden states go through
+    layer i (its float weights the only ones in memory), its statistics are recorded, and its linears are
+    quantized at once. Same statistics, same order, same bytes as calibrating the whole model first."""
+    path = source / rank_file(0)
+    header, _ = read_header(path)
+    layers = {
+        i: sorted(n for n in header if n.startswith(f"transformer.layers.{i}.")) for i in range(cfg.num_hidden_layers)
+    }
+    in_layers = {n for names in layers.values() for n in names}
+    calib = Calibration()
+    with path.open("rb") as f, torch.no_grad():
+
+        def load(names: list[str]) -> dict[str, torch.Tensor]:
+            return {n: read_tensor(f, header[n]) for n in names}
+
+        out = load(sorted(set(header) - in_layers))  # embeddings, final norm, lm_head
+        model = ReferenceModel(
+            cfg, {n: t for n, t in out.items() if "embedding" in n or n.startswith("transformer.ln_f")}
+        )
+        model.hooks = Observer(calib)
+        batches = [model.embed(windows[s : s + 8]) for s in range(0, windows.shape[0], 8)]  # calibrate()'s batches
+        for i in range(cfg.num_hidden_layers):
+            layer = load(layers[i])
+            model.w.update({n: t.to(model.dtype) for n, t in layer.items()})
+            batches = [(model.layer(h, i, rope), rope) for h, rope in batches]
+            for n in layer:
+                del model.w[n]
+            prefix = f"transformer.layers.{i}"
+            if opts.method == "w8a8_sq":
+                prequant = smooth_layer(layer, prefix, calib, opts.sq_alpha, chosen)
+                layer.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
+            for linear in sorted(p for p in chosen if p.startswith(f"{prefix}.")):
+                layer.update(_quantize_linear(opts, linear, layer[f"{linear}.weight"], calib, cfg.torch_dtype))
+            out.update(layer)
+        for h, _ in batches:  # lm_head's input, as the full forward would have observed it
+            model.hooks.linear_input("lm_head", model._norm(h, "transformer.ln_f"))
+        model.hooks = Hooks()
+        if "lm_head" in chosen:
+            out.update(_quantize_linear(opts, "lm_head", out["lm_head.weight"], calib, cfg.torch_dtype))
+    return out, calib
 
 
 def quantize_checkpoint(
@@ -154,10 +214,11 @@ def quantize_checkpoint(
     if cfg.mapping.world_size != 1:
         raise UserError(f"{source} has {cfg.mapping.world_size} ranks; quantize a tp=1 pp=1 checkpoint")
     can_stream = opts.method in ("w8a16", "w4a16") and opts.kv_cache == "none" and eval_data is None
+    layerwise = opts.needs_calibration and eval_data is None and stream is not False
     stream = can_stream if stream is None else stream and can_stream
     rank_path = source / rank_file(0)
     weights: dict[str, torch.Tensor] = {}
-    if stream:
+    if stream or layerwise:
         if not rank_path.is_file():
             raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
         header, _ = read_header(rank_path)
@@ -166,15 +227,20 @@ def quantize_checkpoint(
         weights = load_rank(source, 0)
         linears = quantizable(weights)
     chosen = [p for p in linears if not excluded(p, opts.exclude)]
-    # The float reference (a float32 copy of the weights) only when calibration or evaluation needs it
-    model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
-    calib, calib_info = _calibration(source, opts, model)
-    out = weights  # quantized in place: each float weight is released once its codes replace it
-    if opts.method == "w8a8_sq":
+    model: ReferenceModel | None = None
+    if layerwise:
+        windows, calib_info = _windows(source, opts)
+        out, calib = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
+    else:
+        # the float reference (a float32 copy of the weights) only when calibration or evaluation needs it
+        model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
+        calib, calib_info = _calibration(source, opts, model)
+        out = weights  # quantized in place: each float weight is released once its codes replace it
+    if opts.method == "w8a8_sq" and not layerwise:
         for i in range(cfg.num_hidden_layers):
             prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
             out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
-    for prefix in [] if stream else chosen:  # streaming quantizes while writing
+    for prefix in [] if stream or layerwise else chosen:  # the streaming paths have quantized already
         out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype))
     kv_algo = KV_CACHE[opts.kv_cache]
     if kv_algo:

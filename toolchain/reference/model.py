@@ -114,12 +114,9 @@ class ReferenceModel:
             h = h * self._linear(x, f"{layer}.mlp.gate")
         return self._linear(h, f"{layer}.mlp.proj")
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [batch, seq] -> logits [batch, seq, vocab] in `self.dtype`."""
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """input_ids [batch, seq] -> (hidden states, rotary cos/sin or None)."""
         c = self.config
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
         positions = torch.arange(input_ids.shape[1])
         h = F.embedding(input_ids, self.w["transformer.vocab_embedding.weight"])
         rope = None
@@ -127,9 +124,21 @@ class ReferenceModel:
             h = h + self.w["transformer.position_embedding.weight"][positions]
         else:
             rope = cos_sin(positions, c.head_size, c.rotary_base, c.rotary_scaling, self.dtype)
-        for i in range(c.num_hidden_layers):
-            layer = f"transformer.layers.{i}"
-            h = h + self._attention(self._norm(h, f"{layer}.input_layernorm"), layer, rope)
-            h = h + self._mlp(self._norm(h, f"{layer}.post_layernorm"), layer)
+        return h, rope
+
+    def layer(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Decoder layer i (its weights must be in `self.w`)."""
+        layer = f"transformer.layers.{i}"
+        h = h + self._attention(self._norm(h, f"{layer}.input_layernorm"), layer, rope)
+        return h + self._mlp(self._norm(h, f"{layer}.post_layernorm"), layer)
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [batch, seq] -> logits [batch, seq, vocab] in `self.dtype`."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        h, rope = self.embed(input_ids)
+        for i in range(self.config.num_hidden_layers):
+            h = self.layer(h, i, rope)
         h = self._norm(h, "transformer.ln_f")
         return self._linear(h, "lm_head")
