@@ -195,7 +195,7 @@ def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
     return read + (math.prod(out.shape) * dtype.itemsize if copies else 0)
 
 
-def _return_freed_memory() -> None:
+def return_freed_memory() -> None:
     """Have glibc serve allocations of 4 MiB and more with mmap, so freed tensors go back to the OS at once.
     Its default threshold grows with use (up to 32 MiB), after which freed tensors stay in per-thread arenas
     and RSS climbs with the number of workers. A no-op where glibc is absent."""
@@ -269,7 +269,7 @@ def convert(
         f"converting {plan.architecture} from {model_dir} ({cfg.dtype}, tp={tp} pp={pp}, "
         f"{plan.num_tensors} tensors, {workers} worker(s))"
     )
-    _return_freed_memory()
+    return_freed_memory()
     with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
+from toolchain.checkpoint.convert import return_freed_memory
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
 from toolchain.checkpoint.trtllm import (
@@ -187,6 +188,8 @@ def _quantize_layerwise(
                 layer.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
             for linear in sorted(p for p in chosen if p.startswith(f"{prefix}.")):
                 layer.update(_quantize_linear(opts, linear, layer[f"{linear}.weight"], calib, cfg.torch_dtype))
+            for linear in [p for p in calib.input_sample if p.startswith(f"{prefix}.")]:
+                del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's search used them)
             out.update(layer)
         for h, _ in batches:  # lm_head's input, as the full forward would have observed it
             model.hooks.linear_input("lm_head", model._norm(h, "transformer.ln_f"))
@@ -209,6 +212,7 @@ def quantize_checkpoint(
     """`stream` (default: when possible): round-to-nearest without calibration or evaluation reads, quantizes and
     writes one tensor at a time, so peak memory is one weight, not the model."""
     cfg = read_config(source)
+    return_freed_memory()  # freed per-layer tensors go back to the OS instead of staying in malloc's arenas
     if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
         raise UserError(f"{source} is already quantized ({cfg.quantization.quant_algo}); quantize the unquantized one")
     if cfg.mapping.world_size != 1:
