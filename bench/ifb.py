@@ -45,6 +45,18 @@ def pct(values: list[float]) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(values, p)) for p in (50, 90, 99)}
 
 
+def result(completed: int, tokens: int, wall: float, ttft: list[float], tpot: list[float]) -> dict[str, Any]:
+    return {
+        "completed": completed,
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "output_tok_s": tokens / wall,
+        "ttft_s": pct(ttft),
+        "tpot_s": pct(tpot),
+        "preemptions": None,
+    }
+
+
 def hf_continuous(model: Any, trace: list[TraceRequest]) -> dict[str, Any]:
     from transformers import GenerationConfig
 
@@ -80,15 +92,7 @@ def hf_continuous(model: Any, trace: list[TraceRequest]) -> dict[str, Any]:
     tokens = sum(len(o.generated_tokens) for o in done)
     ttft = [o.timestamps[0] - arrivals[o.request_id] for o in done if o.timestamps]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in done if len(o.timestamps or []) > 1]
-    return {
-        "completed": len(done),
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "output_tok_s": tokens / wall,
-        "ttft_s": pct(ttft),
-        "tpot_s": pct(tpot),
-        "preemptions": None,
-    }
+    return result(len(done), tokens, wall, ttft, tpot)
 
 
 def hf_static(model: Any, trace: list[TraceRequest], batch: int) -> dict[str, Any]:
@@ -126,15 +130,7 @@ def hf_static(model: Any, trace: list[TraceRequest], batch: int) -> dict[str, An
                 tpot.append((steps[r.output_tokens - 1] - steps[0]) / (r.output_tokens - 1))
             completed += 1
     wall = time.monotonic() - start
-    return {
-        "completed": completed,
-        "output_tokens": tokens,
-        "wall_s": wall,
-        "output_tok_s": tokens / wall,
-        "ttft_s": pct(ttft),
-        "tpot_s": pct(tpot),
-        "preemptions": None,
-    }
+    return result(completed, tokens, wall, ttft, tpot)
 
 
 def random_llama(path: Path) -> Path:

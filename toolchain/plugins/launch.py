@@ -43,17 +43,14 @@ def attention_kernel(a: AttentionAttrs, activation: str) -> str:
     return f"trtbuild_attention_{ACTIVATIONS[activation]}_{_kv(a, activation)}_{head_path(a.head_size)}"
 
 
+def _common_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
+    """The scalars both kernels take first: batch geometry (symbolic in TensorRT), then the layer's shape."""
+    dims = [num_tokens, num_seqs, max_blocks, num_blocks]
+    return [*dims, a.layer, a.num_heads, a.num_kv_heads, a.head_size, a.tokens_per_block]
+
+
 def kv_write_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
-    return [
-        num_tokens,
-        num_seqs,
-        max_blocks,
-        num_blocks,
-        a.layer,
-        a.num_heads,
-        a.num_kv_heads,
-        a.head_size,
-        a.tokens_per_block,
+    rotary = [
         int(a.rotary_style == "neox"),
         float_bits(a.rotary_base),
         SCALING[a.rotary_scaling_type],
@@ -61,24 +58,13 @@ def kv_write_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_bloc
         float_bits(a.rotary_low_freq_factor),
         float_bits(a.rotary_high_freq_factor),
         a.rotary_original_max_positions,
-        float_bits(a.kv_scale),
     ]
+    return [*_common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks), *rotary, float_bits(a.kv_scale)]
 
 
 def attention_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
-    return [
-        num_tokens,
-        num_seqs,
-        max_blocks,
-        num_blocks,
-        a.layer,
-        a.num_heads,
-        a.num_kv_heads,
-        a.head_size,
-        a.tokens_per_block,
-        a.sliding_window,
-        float_bits(a.kv_scale),
-    ]
+    common = _common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks)
+    return [*common, a.sliding_window, float_bits(a.kv_scale)]
 
 
 def attention_grid(a: AttentionAttrs, num_tokens: Any) -> tuple[Any, int, int]:
