@@ -111,7 +111,7 @@ def kv_cache_write(
 ) -> torch.Tensor:
     """Write the new tokens' K (after rotary) and V into `kv_cache` in place (an fp8 pool is held as uint8);
     return q after rotary [num_tokens, heads * head_size]."""
-    del context_lens  # part of the op's inputs (the CUDA kernel checks positions against it); not needed here
+    del context_lens  # in the op's inputs for the contract; positions come from position_ids (Batch.check ties them)
     t, h, kvh, d = qkv.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     dtype = qkv.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32  # rotary never in fp16 / bf16
