@@ -27,9 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolchain.checkpoint.convert import convert  # noqa: E402
+from toolchain.engine.api import open_engine  # noqa: E402
 from toolchain.engine.build import BuildOptions, build_engine  # noqa: E402
 from toolchain.engine.contract import Batch  # noqa: E402
-from toolchain.engine.runner import load_engine  # noqa: E402
 
 
 def random_llama(path: Path, hidden: int, layers: int) -> Path:
@@ -121,7 +121,7 @@ def main() -> None:
         hf = args.model or random_llama(Path(work) / "hf", args.hidden, args.layers)
         convert(hf, Path(work) / "ckpt", dtype="float32")
         build_engine(Path(work) / "ckpt", Path(work) / "engine", BuildOptions(backend="onnxruntime", max_batch_size=64))
-        engine = load_engine(Path(work) / "engine")
+        engine = open_engine(Path(work) / "engine")
         model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
         params = sum(p.numel() for p in model.parameters())
         for b in args.batches:

@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from toolchain.checkpoint.convert import convert  # noqa: E402
-from toolchain.engine.build import BuildOptions, build_engine, read_build_config  # noqa: E402
-from toolchain.engine.runner import load_engine  # noqa: E402
+from toolchain.engine.api import open_engine  # noqa: E402
+from toolchain.engine.build import BuildOptions, build_engine  # noqa: E402
 from toolchain.runtime.replay import replay  # noqa: E402
 from toolchain.runtime.traces import TraceRequest, load_trace  # noqa: E402
 
@@ -162,14 +162,13 @@ def run_model(name: str, hf: Path, work: Path, args: argparse.Namespace) -> list
         tokens_per_block=16,
     )
     build_engine(work / f"{name}-ckpt", work / f"{name}-engine", opts)
-    engine = load_engine(work / f"{name}-engine")
-    limits = read_build_config(work / f"{name}-engine")["limits"]
+    engine = open_engine(work / f"{name}-engine")
     trace, scale = load_trace(args.trace, args.max_seq_len, engine.vocab_size, args.requests, args.rate_scale)
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     rows = []
     for label, fn in (
-        ("trtbuild in-flight", lambda: replay(engine, limits, trace)),
-        ("trtbuild static", lambda: replay(engine, limits, trace, static=True)),
+        ("trtbuild in-flight", lambda: replay(engine, trace)),
+        ("trtbuild static", lambda: replay(engine, trace, static=True)),
         ("transformers continuous", lambda: hf_continuous(model, trace)),
         ("transformers static", lambda: hf_static(model, trace, args.batch)),
     ):

@@ -18,10 +18,10 @@ from test_quantize import WIKI
 from transformers import AutoModelForCausalLM
 
 from toolchain.checkpoint.convert import convert
+from toolchain.engine.api import Engine as OrtEngine
+from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.engine.contract import Batch
-from toolchain.engine.ort_backend import OrtEngine
-from toolchain.engine.runner import load_engine
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
@@ -30,7 +30,7 @@ TPB = 4  # small blocks so that short test sequences span several, with partial 
 
 def build(ckpt: Path, out: Path, **kw: Any) -> OrtEngine:
     build_engine(ckpt, out, BuildOptions(backend="onnxruntime", tokens_per_block=TPB, max_batch_size=4, **kw))
-    return load_engine(out)
+    return open_engine(out)
 
 
 def run_alone(engine: OrtEngine, ids: list[int], blocks: int = 32) -> np.ndarray:
@@ -138,19 +138,39 @@ METHODS = [
 ]
 
 
+def _kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) per row, in float64."""
+    lp, lq = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1)
+
+
 @pytest.mark.parametrize(("method", "kv", "group"), METHODS)
 def test_quantized_engine_equals_fake_quant_reference(
     method: str, kv: str, group: int, stories: Path, tmp_path: Path
 ) -> None:
+    """Weight-only methods: the engine computes what the fake-quant reference computes (< 1e-4). Where activations
+    or the KV cache are quantized at run time, a last-bit difference in the summation order (ONNX Runtime's kernels
+    differ by CPU and thread count) can put a value on the other side of a rounding boundary and flip a code, after
+    which that sequence's later logits differ by a quantization step; so there the engine is held to what a flip can
+    do: cost a small fraction of what quantization itself costs, and almost never change the top-1 token."""
     convert(stories, tmp_path / "ckpt")
     opts = QuantizeOptions(method, kv, group, calib_data=WIKI / "valid.txt", calib_samples=4, calib_seq_len=64)
     quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", opts)
     engine = build(tmp_path / "q", tmp_path / "engine")
-    ids = torch.randint(0, engine.vocab_size, (70,), generator=torch.Generator().manual_seed(6)).tolist()
-    expected = load_quantized(tmp_path / "q").forward(torch.tensor([ids]))[0].numpy()
-    got = run_alone(engine, ids)
-    assert np.abs(got - expected).max() < 1e-4
-    assert (got.argmax(-1) == expected.argmax(-1)).mean() == 1.0
+    fake, full = load_quantized(tmp_path / "q"), load_quantized(tmp_path / "ckpt")
+    got, expected, floats = [], [], []
+    for seed in (6, 7, 8):
+        ids = torch.randint(0, engine.vocab_size, (70,), generator=torch.Generator().manual_seed(seed)).tolist()
+        got.append(torch.from_numpy(run_alone(engine, ids)))
+        expected.append(fake.forward(torch.tensor([ids]))[0])
+        floats.append(full.forward(torch.tensor([ids]))[0])
+    g, e, f = torch.cat(got), torch.cat(expected), torch.cat(floats)
+    if method in ("w8a8_sq", "fp8"):  # quantizers at run time
+        assert _kld(e, g).mean() < 0.1 * _kld(f, e).mean()
+        assert (g.argmax(-1) == e.argmax(-1)).double().mean() >= 0.95
+    else:
+        assert (g - e).abs().max() < 1e-4
+        assert torch.equal(g.argmax(-1), e.argmax(-1))
     ops = {n.op_type for n in onnx.load(str(tmp_path / "engine" / "model.onnx")).graph.node}
     assert "DequantizeLinear" in ops and ("QuantizeLinear" in ops) == (method in ("w8a8_sq", "fp8"))
 
@@ -209,9 +229,9 @@ def test_engine_from_another_machine_is_refused_naming_both_sides(
     with pytest.raises(
         UserError, match=r"tensorrt 10\.13\.0 \(NVIDIA H200\), this machine has 10\.9\.0 \(NVIDIA A100\)"
     ):
-        load_engine(tmp_path / "e")
+        open_engine(tmp_path / "e")
     assert "built with    TensorRT 10.13.0, GPU NVIDIA H200 (SM 90)" in cli("inspect", tmp_path / "e").stdout
-    load_engine(tmp_path / "e", backend="onnxruntime")  # its ONNX graph still runs on the CPU
+    open_engine(tmp_path / "e", backend="onnxruntime")  # its ONNX graph still runs on the CPU
 
 
 def test_bad_batches_are_refused(gqa_engine: OrtEngine) -> None:

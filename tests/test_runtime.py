@@ -5,6 +5,7 @@ sharing changes no output and saves blocks; cancellation frees at once; block ma
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +15,8 @@ import torch
 from conftest import one_line_error, save_random_llama
 
 from toolchain.checkpoint.convert import convert
-from toolchain.engine.build import BuildOptions, build_engine, read_build_config
-from toolchain.engine.runner import load_engine
+from toolchain.engine.api import open_engine
+from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import SamplingParams, Status
@@ -24,13 +25,21 @@ from toolchain.runtime.sampler import sample
 TPB = 4
 
 
+class SpacedIds:
+    """A stand-in tokenizer: token ids as decimal words."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("rt")
     convert(save_random_llama(tmp / "hf", num_attention_heads=8, num_key_value_heads=2), tmp / "ckpt")
     opts = BuildOptions(backend="onnxruntime", tokens_per_block=TPB, max_batch_size=4, max_num_tokens=24)
     build_engine(tmp / "ckpt", tmp / "engine", opts)
-    return load_engine(tmp / "engine"), read_build_config(tmp / "engine")["limits"]
+    engine = open_engine(tmp / "engine")
+    return engine, engine.spec.limits
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 90) -> list[list[int]]:
@@ -128,7 +137,7 @@ def test_streaming_stop_tokens_and_sampling(engine: Any) -> None:
     r = rt.add_request(
         [5, 6, 7, 8],
         SamplingParams(max_new_tokens=6, stop_token_ids=(greedy[2],)),
-        on_token=lambda _, t: seen.append(t),
+        on_event=lambda e: seen.append(e.token),
     )
     rt.run()
     first = greedy.index(greedy[2])  # the stop token's first appearance ends the request
@@ -149,10 +158,10 @@ def test_block_manager_refcounts_prefix_and_copy_on_write() -> None:
     bm = BlockManager(6, 4)
     tokens = list(range(13))  # 3 full blocks + 1
     table = [bm.allocate() for _ in range(4)]
-    bm.register(tokens, table, 13)
-    other = bm.match_prefix([*tokens[:12], 99])  # 3 full blocks shared
+    assert bm.register(tokens, table, 13, [], 0) == 3
+    other = bm.match_prefix([*tokens[:12], 99], [])  # 3 full blocks shared
     assert other == table[:3] and bm.refcount[table[0]] == 2
-    assert bm.match_prefix(tokens[:12]) == table[:2]  # at least one token is left to compute
+    assert bm.match_prefix(tokens[:12], []) == table[:2]  # at least one token is left to compute
     bm.release(table[:2])
     copy = bm.ensure_writable(other, 2)
     assert copy is not None and copy[0] == table[2] and other[2] != table[2] and bm.refcount[table[2]] == 1
@@ -240,11 +249,11 @@ def test_stop_strings_and_cancelling_from_a_callback(engine: Any) -> None:
     eng, limits = engine
     greedy = alone(eng, limits, [5, 6, 7, 8], 8)
     text = lambda ids: " ".join(map(str, ids))  # noqa: E731 - a stand-in detokenizer
-    rt = Runtime(eng, limits, num_blocks=32, detokenize=text)
+    rt = Runtime(eng, limits, num_blocks=32, tokenizer=SpacedIds())
     stop = text(greedy[2:4])
     r = rt.add_request([5, 6, 7, 8], SamplingParams(max_new_tokens=8, stop_strings=(stop,)))
     victim = rt.add_request([9, 10, 11], SamplingParams(max_new_tokens=8))
-    killer = rt.add_request([12, 13], SamplingParams(max_new_tokens=8), on_token=lambda *_: rt.cancel(victim.id))
+    killer = rt.add_request([12, 13], SamplingParams(max_new_tokens=8), on_event=lambda _: rt.cancel(victim.id))
     rt.run()
     assert r.finish_reason == "stop_string" and stop in text(r.generated) and len(r.generated) <= 4
     assert victim.status is Status.CANCELLED and killer.status is Status.FINISHED
@@ -252,15 +261,17 @@ def test_stop_strings_and_cancelling_from_a_callback(engine: Any) -> None:
     plain = Runtime(eng, limits, num_blocks=32)  # no detokenizer: a stop string cannot be honoured
     refused = plain.add_request([5, 6], SamplingParams(stop_strings=("x",)))
     assert refused.status is Status.FAILED and "tokenizer" in (refused.error or "")
+    assert refused.id not in plain.requests  # ended requests leave the runtime: their id is free again
+    live = plain.add_request([5, 6], SamplingParams(max_new_tokens=4))
     with pytest.raises(ValueError, match="already in use"):
-        plain.add_request([5, 6], request_id=refused.id)
+        plain.add_request([5, 6], request_id=live.id)
 
 
 def test_a_long_prefill_is_not_starved_by_a_stream_of_short_requests(engine: Any) -> None:
     """8 blocks of 4 tokens, a 28-token prompt part-way through prefill, and a new short request every step:
     the long prompt must still finish."""
     eng, limits = engine
-    rt = Runtime(eng, {**limits, "max_num_tokens": 8}, num_blocks=8, watermark=0.0)
+    rt = Runtime(eng, replace(limits, max_num_tokens=8), num_blocks=8, watermark=0.0)
     long = rt.add_request(list(range(3, 31)), SamplingParams(max_new_tokens=2))
     for i in range(200):
         if long.done:

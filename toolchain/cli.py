@@ -475,49 +475,31 @@ def generate(
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text with an engine through the in-flight batching runtime."""
-    from toolchain.engine.build import read_build_config
-    from toolchain.engine.runner import load_engine
-    from toolchain.runtime.loop import Runtime
-    from toolchain.runtime.request import Request, SamplingParams
+    from toolchain.engine.api import load_tokenizer, open_engine
+    from toolchain.runtime.llm_engine import LLMEngine
+    from toolchain.runtime.request import SamplingParams
 
     with _handled():
-        config = read_build_config(engine_dir)
-        try:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(engine_dir)
-        except (OSError, ValueError) as e:
-            raise UserError(
-                f"{engine_dir}: no tokenizer in the engine directory; build from a model that has one"
-            ) from e
         if not 0 < top_p <= 1:
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
-        ids = tok(prompt)["input_ids"]
+        tok = load_tokenizer(engine_dir)
         eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
         params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
-        printed = [0]
-
-        def decode(ids: list[int]) -> str:
-            return str(tok.decode(ids, skip_special_tokens=True))
-
-        def on_token(request: Request, _: int) -> None:
-            text = decode(request.generated)
-            typer.echo(text[printed[0] :], nl=False)
-            printed[0] = len(text)
-
-        rt = Runtime(load_engine(engine_dir), config["limits"], detokenize=decode)
-        request = rt.add_request(ids, params, on_token=on_token if stream and not json_out else None)
-        rt.run()
-        if request.error:
-            raise UserError(f"generation failed: {request.error}")
-    text = decode(request.generated)
-    stops: list[str] = stop or []
-    for marker in stops:
-        text = text.split(marker)[0]
+        with LLMEngine(open_engine(engine_dir), tok) as llm:
+            events = llm.submit(prompt, params)
+            ids, pieces = [], []
+            for event in events:
+                ids += [event.token] if event.token is not None else []
+                pieces.append(event.text)
+                if stream and not json_out and event.text:
+                    typer.echo(event.text, nl=False)
+            if event.finish_reason == "error":
+                raise UserError(f"generation failed: {event.error}")
     if stream and not json_out:
         typer.echo("")
         return
-    result = {"prompt": prompt, "text": text, "tokens": request.generated, "finish_reason": request.finish_reason}
+    text = "".join(pieces)
+    result = {"prompt": prompt, "text": text, "tokens": ids, "finish_reason": event.finish_reason}
     _emit(result, json_out, [text])
 
 
@@ -540,8 +522,7 @@ def bench_(
     json_out: JsonOpt = False,
 ) -> None:
     """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions."""
-    from toolchain.engine.build import read_build_config
-    from toolchain.engine.runner import load_engine
+    from toolchain.engine.api import open_engine
     from toolchain.runtime.replay import replay, utilization_svg
     from toolchain.runtime.scheduler import POLICIES
     from toolchain.runtime.traces import load_trace
@@ -549,12 +530,10 @@ def bench_(
     with _handled():
         if policy not in POLICIES:
             raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
-        config = read_build_config(engine_dir)
-        limits = config["limits"]
-        engine = load_engine(engine_dir)
-        requests, scale = load_trace(trace, limits["max_seq_len"], engine.vocab_size, max_requests, rate_scale)
+        engine = open_engine(engine_dir)
+        requests, scale = load_trace(trace, engine.spec.limits.max_seq_len, engine.vocab_size, max_requests, rate_scale)
         console.info(f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})")
-        r = replay(engine, limits, requests, policy, kv_blocks or None, static)
+        r = replay(engine, requests, policy, kv_blocks or None, static)
         r.update(trace=str(trace), length_scale=scale, rate_scale=rate_scale, policy=policy, static=static)
         if plot:
             utilization_svg(r["kv_utilization"], plot, f"KV blocks in use, {trace.name}")

@@ -23,13 +23,12 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.engine import tensorrt_backend
+from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
 from toolchain.engine.contract import CONTRACT_VERSION
 from toolchain.engine.export import export_model, save_model
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord, package_version
 
-BUILD_CONFIG = "build_config.json"
-MODEL_NAME = "model.onnx"
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 TRT_TOKENS_PER_BLOCK = (16, 32, 64)  # the CUDA plugin's block sizes (plugins/)
 
@@ -90,7 +89,7 @@ def build_engine(
     # ONNX Runtime's CPU kernels lack bf16 (and much of fp16): the CPU engine computes in float32.
     dtype = cfg.torch_dtype if backend == "tensorrt" else torch.float32
     per_seq = -(-max_seq_len // opts.tokens_per_block)
-    limits = tensorrt_backend.Limits(
+    limits = Limits(
         max_batch_size=opts.max_batch_size,
         max_num_tokens=opts.max_num_tokens,
         max_seq_len=max_seq_len,

@@ -17,7 +17,8 @@ import onnx
 import torch
 from onnx import helper
 
-from toolchain.engine.contract import KV_DTYPES, PLUGIN_DOMAIN, Batch
+from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec
+from toolchain.engine.contract import PLUGIN_DOMAIN, Batch
 from toolchain.engine.ops import OPS, AttentionAttrs
 from toolchain.errors import UserError
 
@@ -65,11 +66,18 @@ def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.Node
 
 
 class OrtEngine:
-    """Run an engine directory's model.onnx on CPU. `forward(batch, kv_cache)` -> logits [num_outputs, vocab]."""
+    """Run an engine directory's model.onnx on CPU (the `Engine` protocol of api.py). Engine facts come from the
+    spec; the graph is only checked against it."""
 
-    def __init__(self, model_path: Path, threads: int = 0):
+    def __init__(self, spec: EngineSpec, threads: int = 0):
         import onnxruntime as ort
 
+        self.spec = spec
+        self.vocab_size = spec.vocab_size
+        self.tokens_per_block = spec.limits.tokens_per_block
+        model_path = spec.engine_dir / MODEL_NAME
+        if not model_path.is_file():
+            raise UserError(f"{spec.engine_dir}: no {MODEL_NAME}; the engine directory is incomplete, rebuild it")
         model = onnx.load(str(model_path))  # external data (past 2 GiB) included
         inferred = onnx.shape_inference.infer_shapes(_skeleton(model))
         types = {v.name: v for v in [*inferred.graph.value_info, *model.graph.input, *model.graph.output]}
@@ -122,24 +130,30 @@ class OrtEngine:
                 except (TypeError, ValueError) as e:
                     raise UserError(f"{model_path}: {e}; the graph is from another trtbuild version, rebuild it") from e
                 self.steps.append(_Plugin(op, parsed, list(plugin.input), list(plugin.output)))
-        first = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
-        kv_input = next(i for i in model.graph.input if i.name == "kv_cache")
-        dims = kv_input.type.tensor_type.shape.dim
-        self.num_layers = dims[0].dim_value
-        self.tokens_per_block = first.tokens_per_block
-        self.kv_dtype = first.kv_cache_dtype
-        self.kv_block_shape = (2, first.num_kv_heads, first.tokens_per_block, first.head_size)
+        self._check_graph(model, model_path)
+
+    def _check_graph(self, model: onnx.ModelProto, model_path: Path) -> None:
+        """The graph and the spec must describe the same engine (a mismatch means a tampered or mixed-up dir)."""
+        kv = self.spec.kv_cache
+        pool = next(i for i in model.graph.input if i.name == "kv_cache").type.tensor_type.shape.dim
         vocab = model.graph.output[0].type.tensor_type.shape.dim[1].dim_value
-        self.vocab_size = vocab
+        attrs = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
+        graph = (pool[0].dim_value, vocab, attrs.tokens_per_block, attrs.kv_cache_dtype, attrs.num_kv_heads)
+        spec = (kv.num_layers, self.vocab_size, kv.tokens_per_block, kv.dtype, kv.num_kv_heads)
+        if graph != spec or attrs.head_size != kv.head_size:
+            raise UserError(
+                f"{model_path} (layers, vocab, tokens/block, KV dtype, KV heads = {graph}) does not match its "
+                f"{BUILD_CONFIG} {spec}; rebuild the engine"
+            )
 
     def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
         """A zeroed pool for `num_blocks` blocks (fp8 pools are held as their bytes, uint8)."""
-        dtype = torch.uint8 if self.kv_dtype == "fp8" else KV_DTYPES[self.kv_dtype]
-        return torch.zeros((self.num_layers, num_blocks, *self.kv_block_shape), dtype=dtype)
+        kv = self.spec.kv_cache
+        return torch.zeros(kv.pool_shape(num_blocks), dtype=kv.storage_dtype)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
-        expected = (self.num_layers, kv_cache.shape[1], *self.kv_block_shape)
-        dtype = torch.uint8 if self.kv_dtype == "fp8" else KV_DTYPES[self.kv_dtype]
+        kv = self.spec.kv_cache
+        expected, dtype = kv.pool_shape(kv_cache.shape[1]), kv.storage_dtype
         if tuple(kv_cache.shape) != expected or kv_cache.dtype != dtype:
             raise ValueError(f"KV pool {tuple(kv_cache.shape)} {kv_cache.dtype}; this engine needs [*, blocks] {dtype}")
         batch.check(self.tokens_per_block)

@@ -15,13 +15,15 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
+from toolchain.engine.api import Engine
 from toolchain.engine.contract import Batch
-from toolchain.engine.ort_backend import OrtEngine
 from toolchain.errors import UserError, read_utf8
 from toolchain.evaluate.quality import QualityReport, collect, summarize
 from toolchain.evaluate.report import write_reports
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord
+from toolchain.runtime.llm_engine import LLMEngine
+from toolchain.runtime.request import SamplingParams
 
 GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
     "kld_mean_max": ("kld_mean", "max"),
@@ -32,11 +34,12 @@ GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (m
 
 
 class EngineSession:
-    """Runs whole sequences through an engine within its build limits: rows packed per call up to max_batch_size
-    and max_num_tokens, prefills longer than max_num_tokens chunked."""
+    """Scores whole sequences through an engine within its build limits: rows packed per call up to max_batch_size
+    and max_num_tokens, prefills longer than max_num_tokens chunked. Golden prompts go through the Generation API
+    instead, as served requests do."""
 
-    def __init__(self, engine: OrtEngine, limits: dict[str, Any]):
-        self.engine, self.limits = engine, limits
+    def __init__(self, engine: Engine):
+        self.engine, self.limits = engine, engine.spec.limits
         self.tpb = engine.tokens_per_block
 
     def _blocks(self, length: int) -> int:
@@ -45,10 +48,10 @@ class EngineSession:
     def all_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch, seq] -> logits [batch, seq, vocab] (float32), each row a sequence of its own."""
         rows, seq = ids.shape
-        if seq > self.limits["max_seq_len"]:
-            raise UserError(f"sequences of {seq} tokens exceed the engine's max_seq_len {self.limits['max_seq_len']}")
-        per_call = max(1, min(self.limits["max_batch_size"], self.limits["max_num_tokens"] // seq))
-        chunk = min(seq, self.limits["max_num_tokens"])
+        if seq > self.limits.max_seq_len:
+            raise UserError(f"sequences of {seq} tokens exceed the engine's max_seq_len {self.limits.max_seq_len}")
+        per_call = max(1, min(self.limits.max_batch_size, self.limits.max_num_tokens // seq))
+        chunk = min(seq, self.limits.max_num_tokens)
         out = []
         for start in range(0, rows, per_call):
             group = ids[start : start + per_call].tolist()
@@ -61,22 +64,20 @@ class EngineSession:
             out.append(torch.from_numpy(np.concatenate(pieces, axis=1)))
         return torch.cat(out)
 
-    def greedy(self, prompt: list[int], new_tokens: int) -> list[int]:
-        total = len(prompt) + new_tokens
-        if total > self.limits["max_seq_len"]:
-            raise UserError(
-                f"prompt + {new_tokens} new tokens exceed the engine's max_seq_len {self.limits['max_seq_len']}"
-            )
-        pool = self.engine.new_kv_cache(self._blocks(total))
-        table = [list(range(self._blocks(total)))]
-        chunk = self.limits["max_num_tokens"]
-        for at in range(0, len(prompt), chunk):  # chunked prefill within the engine's per-call token budget
-            logits = self.engine.forward(Batch.from_sequences([prompt[at : at + chunk]], [at], table), pool)
-        generated = [int(logits[-1].argmax())]
-        while len(generated) < new_tokens:
-            step = Batch.from_sequences([[generated[-1]]], [len(prompt) + len(generated) - 1], table)
-            generated.append(int(self.engine.forward(step, pool)[-1].argmax()))
-        return generated
+    def greedy(self, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+        """Greedy continuations through the in-flight batching runtime, all prompts batched together."""
+        for prompt, n in zip(prompts, new_tokens, strict=True):
+            if len(prompt) + n > self.limits.max_seq_len:
+                raise UserError(f"prompt + {n} new tokens exceed the engine's max_seq_len {self.limits.max_seq_len}")
+        with LLMEngine(self.engine) as llm:
+            streams = [
+                llm.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, new_tokens, strict=True)
+            ]
+            done = [s.result() for s in streams]
+        for c in done:
+            if c.error:
+                raise UserError(f"golden prompt {c.request_id}: the engine failed: {c.error}")
+        return [c.token_ids for c in done]
 
 
 class Reference:
@@ -149,8 +150,7 @@ def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> li
 
 
 def evaluate_engine(
-    engine: OrtEngine,
-    limits: dict[str, Any],
+    engine: Engine,
     engine_dir: Path,
     reference_dir: Path,
     data: Path,
@@ -158,9 +158,9 @@ def evaluate_engine(
     golden: Path | None,
     gates: dict[str, float],
 ) -> dict[str, Any]:
-    session, reference = EngineSession(engine, limits), Reference(reference_dir)
+    session, reference = EngineSession(engine), Reference(reference_dir)
     tokens = tokenize(data, engine_dir, max_tokens=max_tokens)
-    window = min(256, limits["max_seq_len"])
+    window = min(256, engine.spec.limits.max_seq_len)
     if tokens.numel() < window:
         raise UserError(f"{data}: {tokens.numel()} tokens, fewer than one evaluation window of {window}")
     console.info(f"scoring the engine on {tokens.numel():,} tokens of {data} in windows of {window}")
@@ -171,11 +171,11 @@ def evaluate_engine(
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(engine_dir)
-        for item in read_golden(golden):
-            ids = tok(item.prompt, add_special_tokens=True)["input_ids"]
-            if not ids:
-                raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
-            got, want = session.greedy(ids, item.max_new_tokens), reference.greedy(ids, item.max_new_tokens)
+        items = read_golden(golden)
+        prompts = [tok(item.prompt, add_special_tokens=True)["input_ids"] for item in items]
+        served = session.greedy(prompts, [item.max_new_tokens for item in items])
+        for item, ids, got in zip(items, prompts, served, strict=True):
+            want = reference.greedy(ids, item.max_new_tokens)
             diverge = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
             golden_results.append(
                 {
@@ -228,10 +228,9 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.engine.build import BUILD_CONFIG, read_build_config
-    from toolchain.engine.runner import load_engine
+    from toolchain.engine.api import BUILD_CONFIG, EngineSpec, open_engine
 
-    config = read_build_config(engine_dir)
+    EngineSpec.from_dir(engine_dir)  # a readable engine dir, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
@@ -250,8 +249,8 @@ def run_eval(
             if not tok(item.prompt, add_special_tokens=True)["input_ids"]:
                 raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
-    engine = load_engine(engine_dir, backend)
-    result = evaluate_engine(engine, config["limits"], engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+    engine = open_engine(engine_dir, backend)
+    result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
     if engine_label is not None:
         result["engine_dir"] = str(engine_label)
     record = record or StageRecord("eval")

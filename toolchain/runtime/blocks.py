@@ -1,18 +1,43 @@
 """The paged KV cache's block manager: allocation with reference counts, prefix sharing by chained hashes of full
 blocks, copy-on-write, and a free-block watermark.
 
-A full block's hash chains its parent's: h_i = hash(h_{i-1}, tokens of block i), so equal hashes mean equal whole
-prefixes. Full blocks are immutable once computed; a block whose last user is gone goes back to the free list but
-keeps its contents and hash until it is handed out again, so a later request with the same prefix can take it back.
+A full block's hash chains its parent's: h_i = blake2b(h_{i-1} || token ids of block i), a cryptographic hash, so
+that no client can craft a prompt whose blocks collide with another tenant's. Each request keeps its chain and
+extends it only when a block fills (`extend_hashes`), never recomputing it per step. A hit is still verified
+before reuse: the cached block's own tokens must equal the request's, and its recorded parent must be the block
+just matched (in its current generation: a block reallocated since is a different parent). A hash collision
+therefore costs a cache miss, never another sequence's KV.
+
+Full blocks are immutable once computed; a block whose last user is gone goes back to the free list but keeps its
+contents and hash until it is handed out again, so a later request with the same prefix can take it back.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+ROOT_HASH = b"trtbuild-kv-v1"  # h_{-1}: the chain's start, versioned so that a layout change invalidates nothing
+
+
+def block_hash(parent: bytes, tokens: list[int]) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
 
 class OutOfBlocks(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class _Cached:
+    """What a findable block holds: its tokens and the (block, generation) of its parent, for verification."""
+
+    hash: bytes
+    tokens: tuple[int, ...]
+    parent: tuple[int, int] | None
 
 
 class BlockManager:
@@ -23,9 +48,11 @@ class BlockManager:
         self.watermark_blocks = int(watermark * num_blocks)
         self.prefix_sharing = prefix_sharing
         self.refcount = [0] * num_blocks
+        self.generation = [0] * num_blocks  # bumped on every allocation: a parent link names one lifetime
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
-        self.hash_of: dict[int, int] = {}
-        self.block_of: dict[int, int] = {}
+        self.cached: dict[int, _Cached] = {}  # block -> what it holds, for findable blocks
+        self.block_of: dict[bytes, int] = {}  # chained hash -> block
+        self.hash = block_hash  # replaceable in tests, to force collisions
 
     @property
     def num_free(self) -> int:
@@ -42,9 +69,10 @@ class BlockManager:
         if not self.free:
             raise OutOfBlocks("no free KV blocks")
         block, _ = self.free.popitem(last=False)  # least recently freed first: keeps recent prefixes longest
-        old = self.hash_of.pop(block, None)
-        if old is not None and self.block_of.get(old) == block:
-            del self.block_of[old]
+        old = self.cached.pop(block, None)
+        if old is not None and self.block_of.get(old.hash) == block:
+            del self.block_of[old.hash]
+        self.generation[block] += 1
         self.refcount[block] = 1
         return block
 
@@ -56,37 +84,49 @@ class BlockManager:
             if self.refcount[block] == 0:
                 self.free[block] = None
 
-    def _hashes(self, tokens: list[int], full_blocks: int) -> list[int]:
-        out, parent, t = [], 0, self.tokens_per_block
-        for i in range(full_blocks):
-            parent = hash((parent, tuple(tokens[i * t : (i + 1) * t])))
-            out.append(parent)
-        return out
+    def extend_hashes(self, tokens: list[int], hashes: list[bytes], full_blocks: int) -> list[bytes]:
+        """Grow a request's hash chain `hashes` (in place) to cover `full_blocks` blocks of `tokens`."""
+        t = self.tokens_per_block
+        for i in range(len(hashes), full_blocks):
+            hashes.append(self.hash(hashes[-1] if hashes else ROOT_HASH, tokens[i * t : (i + 1) * t]))
+        return hashes
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
-        """Take (reference) the cached blocks holding the longest prefix of `tokens` made of full blocks, leaving at
-        least one token to compute (the engine must see one to produce logits)."""
+    def match_prefix(self, tokens: list[int], hashes: list[bytes]) -> list[int]:
+        """Take (reference) the cached blocks holding the longest verified prefix of `tokens` made of full blocks,
+        leaving at least one token to compute (the engine must see one to produce logits)."""
         if not self.prefix_sharing:
             return []
-        taken = []
-        for h in self._hashes(tokens, (len(tokens) - 1) // self.tokens_per_block):
-            block = self.block_of.get(h)
-            if block is None:
-                break
+        t = self.tokens_per_block
+        taken: list[int] = []
+        parent: tuple[int, int] | None = None
+        for i, h in enumerate(self.extend_hashes(tokens, hashes, (len(tokens) - 1) // t)):
+            block = self.block_of.get(h, -1)
+            entry = self.cached.get(block)
+            if entry is None or entry.parent != parent or entry.tokens != tuple(tokens[i * t : (i + 1) * t]):
+                break  # a miss, or a collision caught by the content check
             if self.refcount[block] == 0:
                 del self.free[block]
             self.refcount[block] += 1
             taken.append(block)
+            parent = (block, self.generation[block])
         return taken
 
-    def register(self, tokens: list[int], blocks: list[int], computed: int) -> None:
-        """Make the full, computed blocks of a sequence findable by later requests with the same prefix."""
-        if not self.prefix_sharing:
-            return
-        for i, h in enumerate(self._hashes(tokens, computed // self.tokens_per_block)):
-            if h not in self.block_of:
-                self.block_of[h] = blocks[i]
-                self.hash_of[blocks[i]] = h
+    def register(self, tokens: list[int], blocks: list[int], computed: int, hashes: list[bytes], done: int) -> int:
+        """Make the full, computed blocks of a sequence past the first `done` findable by later requests with the
+        same prefix; returns the new count of full blocks handled. Each block is hashed once per request."""
+        full = computed // self.tokens_per_block
+        if not self.prefix_sharing or full <= done:
+            return max(done, full)
+        t = self.tokens_per_block
+        self.extend_hashes(tokens, hashes, full)
+        for i in range(done, full):
+            block, h = blocks[i], hashes[i]
+            if h in self.block_of or block in self.cached:
+                continue
+            parent = (blocks[i - 1], self.generation[blocks[i - 1]]) if i else None
+            self.block_of[h] = block
+            self.cached[block] = _Cached(h, tuple(tokens[i * t : (i + 1) * t]), parent)
+        return full
 
     def ensure_writable(self, blocks: list[int], index: int) -> tuple[int, int] | None:
         """Copy-on-write: if block `index` of this table is shared, give the table a private copy. Returns

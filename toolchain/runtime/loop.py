@@ -1,168 +1,228 @@
 """The step loop: each step schedules, runs ONE engine call over the packed batch (decodes and prefill chunks
-together), samples, and retires finished requests. It drives any backend through the engine I/O contract."""
+together), samples, and retires finished requests. It drives any backend through the `Engine` protocol
+(engine/api.py) and takes every limit from the engine's spec.
+
+Not thread-safe: one thread owns a Runtime (llm_engine.py wraps it for many callers). A request leaves the
+runtime when it ends; the caller keeps its `Request` object if it wants the result.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
 
-import numpy as np
-import torch
-
+from toolchain.engine.api import Engine, Limits
 from toolchain.engine.contract import Batch
 from toolchain.runtime.blocks import BlockManager
-from toolchain.runtime.request import Request, SamplingParams, Status
+from toolchain.runtime.detokenizer import Decoder, IncrementalDetokenizer
+from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent
 from toolchain.runtime.sampler import sample
 from toolchain.runtime.scheduler import Scheduler
-
-
-class Engine(Protocol):
-    tokens_per_block: int
-
-    def new_kv_cache(self, num_blocks: int) -> torch.Tensor: ...
-
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray: ...
 
 
 class Runtime:
     def __init__(
         self,
         engine: Engine,
-        limits: dict[str, Any],
+        limits: Limits | None = None,
         num_blocks: int | None = None,
         policy: str = "max_utilization",
         prefix_sharing: bool = True,
-        detokenize: Callable[[list[int]], str] | None = None,
+        tokenizer: Decoder | None = None,
         clock: Callable[[], float] = time.monotonic,
         watermark: float = 0.01,
+        record_utilization: bool = False,
     ):
-        self.engine, self.limits, self.clock, self.detokenize = engine, limits, clock, detokenize
-        blocks = num_blocks or limits["num_blocks"]
+        """`limits`: the engine's own unless given (tests narrow them); `tokenizer`: text in events and stop
+        strings; `record_utilization`: keep (time, blocks in use) after every step, for trace replay."""
+        self.engine, self.clock, self.tokenizer = engine, clock, tokenizer
+        self.limits = limits or engine.spec.limits
+        blocks = num_blocks or self.limits.num_blocks
         self.blocks = BlockManager(blocks, engine.tokens_per_block, watermark, prefix_sharing)
         self.scheduler = Scheduler(
-            self.blocks, limits["max_batch_size"], limits["max_num_tokens"], limits["max_seq_len"], policy
+            self.blocks, self.limits.max_batch_size, self.limits.max_num_tokens, self.limits.max_seq_len, policy
         )
         self.pool = engine.new_kv_cache(blocks)
-        self.requests: dict[str, Request] = {}
-        self.utilization: list[tuple[float, float]] = []  # (time, fraction of blocks in use) after each step
+        self.requests: dict[str, Request] = {}  # live requests only
+        self.record_utilization = record_utilization
+        self.utilization: list[tuple[float, float]] = []
+        self.peak_utilization = 0.0
         self.steps = 0
+        self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0  # totals, for metrics
+        self._outbox: list[tuple[Request, TokenEvent]] = []
 
     # -- requests -----------------------------------------------------------------------------------------------
+    def check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
+        """Why this request cannot run on this engine, or None."""
+        total = len(prompt) + params.max_new_tokens
+        vocab = self.engine.vocab_size
+        if not prompt:
+            return "empty prompt"
+        if params.stop_strings and self.tokenizer is None:
+            return "stop strings need a tokenizer in the runtime"
+        if not all(0 <= t < vocab for t in prompt):
+            return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        if total > self.limits.max_seq_len:
+            return (
+                f"prompt {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds the engine's max_seq_len "
+                f"{self.limits.max_seq_len}"
+            )
+        if -(-total // self.blocks.tokens_per_block) > self.blocks.num_blocks - self.blocks.watermark_blocks:
+            return f"needs more KV blocks than the whole pool ({self.blocks.num_blocks}) holds"
+        return None
+
     def add_request(
         self,
         prompt: list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
         timeout: float | None = None,
-        on_token: Callable[[Request, int], None] | None = None,
+        on_event: Callable[[TokenEvent], None] | None = None,
     ) -> Request:
+        """Queue a request. One that cannot run here ends at once as failed (its event says why)."""
         now = self.clock()
-        request = Request(list(prompt), params or SamplingParams(), arrival=now, on_token=on_token)
+        request = Request(list(prompt), params or SamplingParams(), arrival=now, on_event=on_event)
         if request_id:
             request.id = request_id
-        request.deadline = now + timeout if timeout else None
-        total = len(prompt) + request.params.max_new_tokens
-        vocab = getattr(self.engine, "vocab_size", None)
         if request.id in self.requests:
             raise ValueError(f"request id {request.id!r} is already in use")
+        request.deadline = now + timeout if timeout else None
+        if self.tokenizer is not None:
+            request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
         self.requests[request.id] = request
-        if not prompt:
-            self._fail(request, "empty prompt")
-        elif request.params.stop_strings and self.detokenize is None:
-            self._fail(request, "stop strings need a tokenizer (detokenize) in the runtime")
-        elif vocab is not None and not all(0 <= t < vocab for t in prompt):
-            self._fail(request, f"prompt has token ids outside the vocabulary [0, {vocab})")
-        elif total > self.limits["max_seq_len"]:
-            self._fail(
-                request,
-                f"prompt {len(prompt)} + max_new_tokens {request.params.max_new_tokens} exceeds the "
-                f"engine's max_seq_len {self.limits['max_seq_len']}",
-            )
-        elif -(-total // self.blocks.tokens_per_block) > self.blocks.num_blocks - self.blocks.watermark_blocks:
-            self._fail(request, f"needs more KV blocks than the whole pool ({self.blocks.num_blocks}) holds")
+        problem = self.check_request(request.prompt, request.params)
+        if problem:
+            self._retire(request, Status.FAILED, "error", problem)
         else:
             self.scheduler.add(request)
+        self._flush()
         return request
 
-    def cancel(self, request_id: str) -> None:
-        """Stop a request now; its blocks are freed at once."""
-        request = self.requests[request_id]
-        if request.done:
-            return
+    def cancel(self, request_id: str) -> bool:
+        """Stop a live request now and free its blocks; False when no such request is live."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
         self._retire(request, Status.CANCELLED, "cancelled")
+        self._flush()
+        return True
 
-    def _retire(self, request: Request, status: Status, reason: str, error: str | None = None) -> None:
+    def end_all(self, status: Status, reason: str, error: str | None = None) -> None:
+        """End every live request (shutdown, or an engine call that raised)."""
+        for request in list(self.requests.values()):
+            self._retire(request, status, reason, error)
+        self._flush()
+
+    def _retire(self, request: Request, status: Status, reason: str, error: str | None = None, text: str = "") -> None:
         if request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
         self.scheduler.free(request)
         request.status, request.finish_reason, request.error = status, reason, error
         request.finished_at = self.clock()
+        self.requests.pop(request.id, None)
+        self._emit(request, None, text, reason)
 
-    def _fail(self, request: Request, error: str) -> None:
-        self._retire(request, Status.FAILED, "error", error)
+    def _emit(self, request: Request, token: int | None, text: str, reason: str | None = None) -> None:
+        if request.on_event is not None:
+            event = TokenEvent(
+                request.id, token, text, reason, request.error, len(request.prompt), len(request.generated)
+            )
+            self._outbox.append((request, event))
+
+    def _flush(self) -> None:
+        """User callbacks last, on a consistent state (a callback may cancel requests)."""
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            for request, event in batch:
+                assert request.on_event is not None
+                request.on_event(event)
 
     @property
     def has_work(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
 
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
     # -- the loop -----------------------------------------------------------------------------------------------
+    def _expire(self, now: float) -> list[Request]:
+        expired = [
+            r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.deadline is not None and now > r.deadline
+        ]
+        for r in expired:
+            assert r.deadline is not None
+            self._retire(r, Status.FAILED, "timeout", f"timed out after {r.deadline - r.arrival:g} s")
+        return expired
+
     def step(self) -> list[Request]:
         """One engine call; returns the requests that ended in it."""
         now = self.clock()
-        ended = []
-        for request in [*self.scheduler.waiting, *self.scheduler.running]:
-            if request.deadline is not None and now > request.deadline:
-                self._retire(
-                    request, Status.FAILED, "timeout", f"timed out after {request.deadline - request.arrival:g} s"
-                )
-                ended.append(request)
+        ended = self._expire(now)
         scheduled = self.scheduler.schedule()
         if not scheduled:
+            self._flush()
             return ended
         for s in scheduled:
             if s.request.first_scheduled is None:
                 s.request.first_scheduled = now
+                self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
         batch = Batch.from_sequences(
             [s.tokens for s in scheduled], [s.context_len for s in scheduled], [s.request.blocks for s in scheduled]
         )
         logits = self.engine.forward(batch, self.pool)
         self.steps += 1
-        streamed: list[tuple[Request, int]] = []
         for s, row in zip(scheduled, logits, strict=True):
             request = s.request
             if request.done:  # cancelled while this step ran
                 continue
             request.num_computed += len(s.tokens)
-            self.blocks.register(request.tokens, request.blocks, request.num_computed)
+            request.registered = self.blocks.register(
+                request.tokens, request.blocks, request.num_computed, request.block_hashes, request.registered
+            )
             if request.pending:  # a prefill chunk with more to come: its logits are not a prediction yet
                 continue
-            token = sample(row, request.params, request.generator)
-            request.generated.append(token)
-            if request.first_token is None:
-                request.first_token = self.clock()
-            streamed.append((request, token))
-            reason = self._stop_reason(request, token)
-            if reason:
-                self._retire(request, Status.FINISHED, reason)
-                ended.append(request)
-        for request, token in streamed:  # user code last, on a consistent state (it may cancel requests)
-            if request.on_token is not None:
-                request.on_token(request, token)
-        self.utilization.append((self.clock(), self.blocks.num_used / self.blocks.num_blocks))
+            if not request.generated:
+                self.prompt_tokens += len(request.prompt)
+            self._accept(request, sample(row, request.params, request.generator), ended)
+        used = self.blocks.num_used / self.blocks.num_blocks
+        self.peak_utilization = max(self.peak_utilization, used)
+        if self.record_utilization:
+            self.utilization.append((self.clock(), used))
+        self._flush()
         return ended
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
-        p = request.params
+    def _accept(self, request: Request, token: int, ended: list[Request]) -> None:
+        """A sampled token: stream it, and retire the request if it stops here."""
+        request.generated.append(token)
+        self.generated_tokens += 1
+        if request.first_token is None:
+            request.first_token = self.clock()
+        p, detok = request.params, request.detok
+        text = ""
+        if detok is not None and token not in p.stop_token_ids:
+            text = detok.add(token)
+        reason = None
         if token in p.stop_token_ids:
-            return "stop_token"
-        if p.stop_strings and self.detokenize is not None:
-            text = self.detokenize(request.generated)
-            if any(stop in text for stop in p.stop_strings):
-                return "stop_string"
-        if len(request.generated) >= p.max_new_tokens:
-            return "length"
-        return None
+            reason = "stop_token"
+        elif detok is not None and detok.stopped is not None:
+            reason = "stop_string"
+        elif len(request.generated) >= p.max_new_tokens:
+            reason = "length"
+        if reason is None:
+            self._emit(request, token, text)
+            return
+        if detok is not None:
+            text += detok.flush()
+        request.status, request.finish_reason, request.finished_at = Status.FINISHED, reason, self.clock()
+        self.scheduler.free(request)
+        self.requests.pop(request.id, None)
+        self._emit(request, token, text, reason)
+        ended.append(request)
 
     def run(self) -> None:
         while self.has_work:

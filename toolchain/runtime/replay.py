@@ -15,43 +15,60 @@ from typing import Any
 
 import numpy as np
 
-from toolchain.runtime.loop import Engine, Runtime
+from toolchain.engine.api import Engine
+from toolchain.runtime.llm_engine import LLMEngine, RequestStream
+from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import Request, SamplingParams, Status
 from toolchain.runtime.traces import TraceRequest
 
 
 def replay(
     engine: Engine,
-    limits: dict[str, Any],
     trace: list[TraceRequest],
     policy: str = "max_utilization",
     num_blocks: int | None = None,
     static: bool = False,
     prefix_sharing: bool = True,
 ) -> dict[str, Any]:
-    rt = Runtime(engine, limits, num_blocks=num_blocks, policy=policy, prefix_sharing=prefix_sharing)
-    pending = deque(trace)
-    requests: list[Request] = []
-    start = time.monotonic()
-    arrived: deque[TraceRequest] = deque()
-    while pending or arrived or rt.has_work:
-        now = time.monotonic() - start
-        while pending and pending[0].arrival <= now:
-            arrived.append(pending.popleft())
-        batch_ready = len(arrived) >= limits["max_batch_size"] or (not pending and arrived)
-        if arrived and (not static or (not rt.has_work and batch_ready)):
-            take = len(arrived) if not static else min(len(arrived), limits["max_batch_size"])
-            for _ in range(take):
-                item = arrived.popleft()
-                r = rt.add_request(item.prompt, SamplingParams(max_new_tokens=item.output_tokens))
-                r.arrival = start + item.arrival  # measured from the trace's arrival, not from admission
-                requests.append(r)
-        if rt.has_work:
-            rt.step()
-        elif pending:
-            time.sleep(max(0.0, min(pending[0].arrival - (time.monotonic() - start), 0.05)))
-    wall = time.monotonic() - start
-    return summarize(requests, rt, wall)
+    """Submit the trace's requests through the Generation API at their arrival times; summarize when all ended."""
+    batch = engine.spec.limits.max_batch_size
+    options: dict[str, Any] = dict(num_blocks=num_blocks, policy=policy, prefix_sharing=prefix_sharing)
+    with LLMEngine(engine, record_utilization=True, **options) as llm:
+        pending = deque(trace)
+        arrived: deque[TraceRequest] = deque()
+        sent: list[tuple[TraceRequest, RequestStream]] = []
+        start = time.monotonic()
+        while pending or arrived:
+            now = time.monotonic() - start
+            while pending and pending[0].arrival <= now:
+                arrived.append(pending.popleft())
+            if not static:
+                sent += [(item, llm.submit(item.prompt, _params(item))) for item in _take(arrived, len(arrived))]
+            elif len(arrived) >= batch or (not pending and arrived):  # a full batch, run to completion
+                group = [(item, llm.submit(item.prompt, _params(item))) for item in _take(arrived, batch)]
+                for _, stream in group:
+                    stream.result()
+                sent += group
+                continue
+            if pending:
+                time.sleep(max(0.0, min(pending[0].arrival - (time.monotonic() - start), 0.05)))
+        for _, stream in sent:
+            stream.result()
+        wall = time.monotonic() - start
+    requests = []
+    for item, stream in sent:
+        assert stream.request is not None
+        stream.request.arrival = start + item.arrival  # measured from the trace's arrival, not from admission
+        requests.append(stream.request)
+    return summarize(requests, llm.runtime, wall)
+
+
+def _params(item: TraceRequest) -> SamplingParams:
+    return SamplingParams(max_new_tokens=item.output_tokens)
+
+
+def _take(items: deque[TraceRequest], n: int) -> list[TraceRequest]:
+    return [items.popleft() for _ in range(min(n, len(items)))]
 
 
 def _pct(values: list[float]) -> dict[str, float | None]:
@@ -72,7 +89,7 @@ def summarize(requests: list[Request], rt: Runtime, wall: float) -> dict[str, An
     ]
     queue = [r.first_scheduled - r.arrival for r in done if r.first_scheduled is not None]
     t0 = rt.utilization[0][0] if rt.utilization else 0.0
-    peak = max((u for _, u in rt.utilization), default=0.0)  # from every step, before thinning
+    peak = rt.peak_utilization  # from every step, before thinning
     series = [(round(t - t0, 4), round(u, 4)) for t, u in rt.utilization]
     if len(series) > 400:  # keep the report small
         series = series[:: len(series) // 400 + 1]

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolchain.runtime.detokenizer import IncrementalDetokenizer
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -26,6 +28,25 @@ class SamplingParams:
             raise ValueError("max_new_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a request's stream receives: a new token with the text it completes, and on the last event the
+    finish reason (length, stop_token, stop_string, cancelled, timeout, error). A request that ends without a
+    new token (cancelled, timed out, refused) gets one event with token None."""
+
+    request_id: str
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
 
 
 class Status(enum.Enum):
@@ -46,7 +67,8 @@ class Request:
     id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = 0.0  # runtime clock when it was added
     deadline: float | None = None  # runtime clock after which it fails with a timeout
-    on_token: Callable[[Request, int], None] | None = None  # streaming: called with each new token
+    on_event: Callable[[TokenEvent], None] | None = None  # streaming: each new token, then the finish
+    detok: IncrementalDetokenizer | None = None  # text and stop strings, when the runtime has a tokenizer
     status: Status = Status.WAITING
     generated: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)  # the block table
@@ -57,6 +79,8 @@ class Request:
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
+    registered: int = 0  # full blocks already offered to the prefix cache
     generator: torch.Generator = field(init=False)
 
     def __post_init__(self) -> None:

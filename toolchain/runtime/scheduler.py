@@ -69,7 +69,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request) -> None:
         self.free(victim)
-        victim.num_computed = 0
+        victim.num_computed = victim.registered = 0
         victim.status = Status.WAITING
         victim.preemptions += 1
         self.preempted += 1
@@ -122,14 +122,15 @@ class Scheduler:
                 reserve = self._blocks_for(total)
                 if not self.blocks.can_allocate(reserve):
                     break
-            shared = self.blocks.match_prefix(request.tokens)
+            shared = self.blocks.match_prefix(request.tokens, request.block_hashes)
             request.blocks = shared
             request.num_computed = len(shared) * self.blocks.tokens_per_block
+            request.registered = len(shared)
             chunk = min(request.pending, budget)
             target = total if self.policy == "guaranteed_no_evict" else request.num_computed + chunk
             if not self.blocks.can_allocate(self._blocks_for(target) - len(shared)) or not self._grow(request, target):
                 self.blocks.release(shared)
-                request.blocks, request.num_computed = [], 0
+                request.blocks, request.num_computed, request.registered = [], 0, 0
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING

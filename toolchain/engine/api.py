@@ -1,0 +1,234 @@
+"""The Engine API: what the runtime, `generate`, `eval`, `bench` and `serve` hold in their hands.
+
+`open_engine(DIR)` reads the engine directory's build_config.json ONCE into a frozen `EngineSpec` (limits, KV pool
+geometry, vocabulary, dtype, backend, quantization, compatibility record), checks that the engine may run here,
+and opens it through the one backend registry below. Everything downstream asks the spec; nothing re-derives an
+engine fact from graph attributes or re-reads the JSON.
+
+An `Engine` runs one packed batch (contract.py) against a KV pool it made with `new_kv_cache` and returns the
+logits rows `batch.logits_index` asks for, float32 [num_outputs, vocab_size], on the host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from toolchain import console
+from toolchain.engine.contract import CONTRACT_VERSION, KV_DTYPES, Batch
+from toolchain.errors import UserError
+
+BUILD_CONFIG = "build_config.json"
+MODEL_NAME = "model.onnx"
+MANIFEST_NAME = "manifest.json"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the engine was built for: the optimization profile's maxima and the KV pool's default size."""
+
+    max_batch_size: int
+    max_num_tokens: int
+    max_seq_len: int
+    tokens_per_block: int
+    num_blocks: int
+    workspace_bytes: int = 4 << 30
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block", "num_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"limit {name} must be at least 1, got {getattr(self, name)}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.tokens_per_block)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The pool's geometry: [num_layers, blocks, 2, kv_heads, tokens_per_block, head_size] of `dtype`."""
+
+    dtype: str  # a key of contract.KV_DTYPES
+    num_layers: int
+    num_kv_heads: int
+    tokens_per_block: int
+    head_size: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in KV_DTYPES:
+            raise ValueError(f"KV cache dtype {self.dtype!r}; expected one of {', '.join(KV_DTYPES)}")
+
+    @property
+    def block_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.num_kv_heads, self.tokens_per_block, self.head_size)
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """fp8 pools are held as their bytes (uint8): torch cannot zero or index float8 on every device."""
+        return torch.uint8 if self.dtype == "fp8" else KV_DTYPES[self.dtype]
+
+    def pool_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return (self.num_layers, num_blocks, *self.block_shape)
+
+    def bytes_per_block(self) -> int:
+        per = torch.empty((), dtype=self.storage_dtype).element_size()
+        return self.num_layers * int(np.prod(self.block_shape)) * per
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything known about an engine before running it, read once from build_config.json."""
+
+    engine_dir: Path
+    backend: str  # what built it: onnxruntime | tensorrt
+    dtype: str  # activations inside the engine
+    checkpoint_dtype: str
+    architecture: str
+    vocab_size: int
+    limits: Limits
+    kv_cache: KVCacheSpec
+    quantization: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    compatibility: Mapping[str, Any] | None = None  # TensorRT, GPU, SM, driver, CUDA of a TensorRT build
+    onnxruntime: str | None = None
+    manifest_sha256: str | None = None  # of the engine dir's manifest.json: the engine's identity
+
+    @property
+    def num_layers(self) -> int:
+        return self.kv_cache.num_layers
+
+    @property
+    def quant_algo(self) -> str:
+        return str(self.quantization.get("quant_algo") or "none")
+
+    @classmethod
+    def from_dir(cls, engine_dir: Path) -> EngineSpec:
+        path = engine_dir / BUILD_CONFIG
+        if not path.is_file():
+            raise UserError(
+                f"{engine_dir} is not an engine directory (no {BUILD_CONFIG}); build one with `trtbuild build`"
+            )
+        try:
+            config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise UserError(f"{path}: not valid JSON ({e}); rebuild the engine with `trtbuild build`") from e
+        if not isinstance(config, dict) or config.get("contract_version") != CONTRACT_VERSION:
+            found = config.get("contract_version") if isinstance(config, dict) else None
+            raise UserError(
+                f"{path}: engine I/O contract {found}, this trtbuild speaks {CONTRACT_VERSION}; rebuild the engine"
+            )
+        try:
+            return cls._parse(engine_dir, config)
+        except (KeyError, TypeError, ValueError) as e:
+            raise UserError(f"{path}: malformed build config ({e}); rebuild the engine with `trtbuild build`") from e
+
+    @classmethod
+    def _parse(cls, engine_dir: Path, config: dict[str, Any]) -> EngineSpec:
+        lim = config["limits"]
+        limits = Limits(
+            max_batch_size=int(lim["max_batch_size"]),
+            max_num_tokens=int(lim["max_num_tokens"]),
+            max_seq_len=int(lim["max_seq_len"]),
+            tokens_per_block=int(lim["tokens_per_block"]),
+            num_blocks=int(lim["num_blocks"]),
+            workspace_bytes=int(lim.get("workspace_bytes", 4 << 30)),
+        )
+        two, kv_heads, tpb, head_size = (int(d) for d in config["kv_cache"]["block_shape"])
+        if two != 2 or tpb != limits.tokens_per_block:
+            raise ValueError(f"kv_cache.block_shape {config['kv_cache']['block_shape']} disagrees with the limits")
+        kv = KVCacheSpec(str(config["kv_cache"]["dtype"]), int(config["num_layers"]), kv_heads, tpb, head_size)
+        manifest = engine_dir / MANIFEST_NAME
+        return cls(
+            engine_dir=engine_dir,
+            backend=str(config["backend"]),
+            dtype=str(config["dtype"]),
+            checkpoint_dtype=str(config.get("checkpoint_dtype", config["dtype"])),
+            architecture=str(config["architecture"]),
+            vocab_size=int(config["vocab_size"]),
+            limits=limits,
+            kv_cache=kv,
+            quantization=MappingProxyType(dict(config.get("quantization") or {})),
+            compatibility=MappingProxyType(dict(config["compatibility"])) if config.get("compatibility") else None,
+            onnxruntime=config.get("onnxruntime"),
+            manifest_sha256=hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+        )
+
+
+class Engine(Protocol):
+    """One engine, opened: the runtime drives any backend through exactly this."""
+
+    spec: EngineSpec
+    vocab_size: int
+    tokens_per_block: int
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        """A zeroed pool of `num_blocks` blocks, where this backend runs (host memory, or the GPU)."""
+        ...
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        """Run one packed batch; the new tokens' K/V land in `kv_cache` in place. -> logits [outputs, vocab]."""
+        ...
+
+
+def _open_onnxruntime(spec: EngineSpec) -> Engine:
+    from toolchain.engine.ort_backend import OrtEngine
+
+    if spec.backend == "tensorrt":
+        console.warn(f"{spec.engine_dir}: running the TensorRT engine's ONNX graph on the CPU")
+    return OrtEngine(spec)
+
+
+def _open_tensorrt(spec: EngineSpec) -> Engine:
+    from toolchain.engine import tensorrt_backend
+
+    if spec.backend != "tensorrt" or spec.compatibility is None:
+        raise UserError(
+            f"{spec.engine_dir} was built for {spec.backend}, it has no TensorRT plan; rebuild it with "
+            "`trtbuild build --backend tensorrt` on a GPU machine, or run it with --backend onnxruntime"
+        )
+    from toolchain.engine.tensorrt_runtime import TrtEngine
+
+    here = tensorrt_backend.versions()
+    if here.get("tensorrt") is not None:  # without TensorRT, TrtEngine says what is missing instead
+        tensorrt_backend.check_compatible(dict(spec.compatibility), here)
+
+    return TrtEngine(spec)
+
+
+# backend name -> opener; the one place that knows which class runs which engine
+BACKENDS: dict[str, Callable[[EngineSpec], Engine]] = {
+    "onnxruntime": _open_onnxruntime,
+    "tensorrt": _open_tensorrt,
+}
+
+
+def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
+    """Open `engine_dir` with its own backend, or with `backend` (a TensorRT engine's model.onnx also runs on the
+    CPU with backend='onnxruntime'). A TensorRT plan is checked against this machine before it is deserialized."""
+    spec = EngineSpec.from_dir(engine_dir)
+    chosen = backend or spec.backend
+    if chosen not in BACKENDS:
+        raise UserError(f"backend {chosen!r} is not supported; choose one of {', '.join(BACKENDS)}")
+    return BACKENDS[chosen](spec)
+
+
+def load_tokenizer(engine_dir: Path) -> Any:
+    """The tokenizer the engine was built with (copied into its directory by `build`), through transformers."""
+    try:
+        from transformers import AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # "no chat template" and the like are ours to report, not theirs
+        return AutoTokenizer.from_pretrained(engine_dir)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(
+            f"{engine_dir}: no usable tokenizer in the engine directory ({type(e).__name__}); build from a model "
+            "directory that has tokenizer files, or send token ids"
+        ) from e

@@ -1,0 +1,79 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Decoding the whole output again for every new token costs O(n^2) over a long answer. Instead each step decodes a
+short window: the tokens from `prefix` (a few tokens back, for the tokenizer's context: SentencePiece's leading
+space, byte-level merges) to the end, minus the same window without the new tokens; the difference is the new
+text. While the window's text ends in U+FFFD the new tokens are an incomplete UTF-8 sequence (a multi-byte
+character split across byte tokens): nothing is released until it completes (vLLM's detokenizer works the same
+way).
+
+Stop strings are searched only where a new match can be: the new text plus the last (longest stop - 1) characters
+before it. The text released to the client holds back that many characters, so a stop string split across tokens
+is never streamed in part; OpenAI's API excludes the stop string from the output.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+_CONTEXT = 6  # tokens of left context re-decoded with each new one
+_INCOMPLETE = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: Decoder, stop_strings: tuple[str, ...] = (), skip_special_tokens: bool = True):
+        self.tokenizer, self.stops, self.skip = tokenizer, tuple(s for s in stop_strings if s), skip_special_tokens
+        self.ids: list[int] = []
+        self.prefix = 0  # window start
+        self.read = 0  # tokens whose text is in self.text
+        self.text = ""  # decoded so far (complete characters only)
+        self.sent = 0  # characters of self.text released
+        self.stopped: str | None = None  # the stop string that matched
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip))
+
+    def add(self, token: int) -> str:
+        """Take one generated token; return the text newly safe to stream ('' while a character is incomplete or
+        a stop string may be starting). After a stop string matched, `stopped` is set and nothing more comes."""
+        if self.stopped is not None:
+            return ""
+        self.ids.append(token)
+        before = self._decode(self.ids[self.prefix : self.read])
+        after = self._decode(self.ids[self.prefix :])
+        if after.endswith(_INCOMPLETE) or not after.startswith(before):
+            return ""  # wait for the rest of the character (or for the window to agree with itself)
+        new = after[len(before) :]
+        self.prefix, self.read = max(self.prefix, len(self.ids) - _CONTEXT), len(self.ids)
+        return self._append(new)
+
+    def _append(self, new: str) -> str:
+        start = max(0, len(self.text) - self._hold)
+        self.text += new
+        if self.stops:
+            hits = [(self.text.find(s, start), s) for s in self.stops]
+            found = [(at, s) for at, s in hits if at >= 0]
+            if found:
+                at, self.stopped = min(found)
+                self.text = self.text[:at]
+                return self._release(len(self.text))
+            return self._release(max(self.sent, len(self.text) - self._hold))
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> str:
+        out, self.sent = self.text[self.sent : upto], upto
+        return out
+
+    def flush(self) -> str:
+        """At the end of the request: everything not yet released (held-back characters; an incomplete character
+        left by a cut-off output comes out as U+FFFD, as a full decode would give)."""
+        if self.stopped is None and self.read < len(self.ids):
+            tail = self._decode(self.ids[self.prefix :])[len(self._decode(self.ids[self.prefix : self.read])) :]
+            self.read = len(self.ids)
+            self.text += tail
+        return self._release(len(self.text))

@@ -1,0 +1,211 @@
+"""The Generation API: many callers, one engine. `generate`, `bench`, eval's golden replay and `serve` all go
+through it, so what is gated is what is served.
+
+One background thread owns the `Runtime` and runs its step loop; callers on any thread `submit` a prompt (text or
+token ids) with sampling params and get a `RequestStream` of `TokenEvent`s, iterable from plain threads or from an
+asyncio event loop; `abort(request_id)` stops one. Commands from callers are queued and applied by the loop thread
+between steps, so the runtime is never touched concurrently. A request ends with one final event, always: finished,
+cancelled, timed out, refused, or failed because the engine raised.
+
+`heartbeat` is the loop's last sign of life (after every step, and twice a second while idle): a health check that
+reads it notices an engine call that hangs, which a check of the process alone would not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from toolchain.engine.api import Engine
+from toolchain.runtime.loop import Runtime
+from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent
+
+_IDLE_TICK_S = 0.5
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass(frozen=True)
+class Completion:
+    request_id: str
+    prompt_tokens: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    error: str | None
+
+
+class RequestStream:
+    """The events of one request, in order, ending with the one whose `finish_reason` is set."""
+
+    def __init__(self, request_id: str, prompt: list[int], loop: asyncio.AbstractEventLoop | None = None):
+        self.request_id, self.prompt = request_id, prompt
+        self.request: Request | None = None  # set by the loop thread on admission: timings for metrics
+        self._loop = loop
+        self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
+        self._async: asyncio.Queue[TokenEvent] | None = asyncio.Queue() if loop is not None else None
+        self._completion: Completion | None = None
+
+    def put(self, event: TokenEvent) -> None:
+        """Called by the loop thread."""
+        if self._loop is not None and self._async is not None:
+            with contextlib.suppress(RuntimeError):  # the caller's event loop closed: nobody is listening
+                self._loop.call_soon_threadsafe(self._async.put_nowait, event)
+        else:
+            self._sync.put(event)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        if self._async is not None:
+            raise TypeError("this stream was opened for asyncio: use `async for`")
+        while True:
+            event = self._sync.get()
+            yield event
+            if event.finished:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        if self._async is None:
+            raise TypeError("this stream was opened without an event loop: use `for`")
+        while True:
+            event = await self._async.get()
+            yield event
+            if event.finished:
+                return
+
+    def result(self) -> Completion:
+        """Block until the request ends (plain threads only); the events are consumed, the result is kept."""
+        if self._completion is not None:
+            return self._completion
+        ids: list[int] = []
+        text: list[str] = []
+        for event in self:
+            if event.token is not None:
+                ids.append(event.token)
+            text.append(event.text)
+        self._completion = Completion(
+            self.request_id, len(self.prompt), ids, "".join(text), str(event.finish_reason), event.error
+        )
+        return self._completion
+
+
+class LLMEngine:
+    """A runtime behind a thread: `submit` / `abort` from anywhere; `close` (or `with`) stops the loop."""
+
+    _ids = itertools.count()
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, **runtime_options: Any):
+        self.engine, self.tokenizer = engine, tokenizer
+        self.runtime = Runtime(engine, tokenizer=tokenizer, **runtime_options)
+        self._inbox: deque[Callable[[], object]] = deque()
+        self._wake = threading.Event()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.heartbeat = time.monotonic()
+        self.failure: str | None = None  # the last engine error, for health checks and logs
+        self.on_step: Callable[[Runtime], None] | None = None  # called by the loop thread after each step
+
+    # -- callers ------------------------------------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs the engine's tokenizer; pass token ids instead")
+        return list(self.tokenizer.encode(prompt))
+
+    def submit(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        timeout: float | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> RequestStream:
+        """Queue a request; with `loop`, the stream is consumed with `async for` on that event loop."""
+        ids = self.encode(prompt)
+        stream = RequestStream(request_id or f"gen-{next(self._ids)}", ids, loop)
+        params = params or SamplingParams()
+
+        def admit() -> None:
+            try:
+                stream.request = self.runtime.add_request(ids, params, stream.request_id, timeout, stream.put)
+            except ValueError as e:  # a duplicate id: end this stream, leave the live one alone
+                stream.put(TokenEvent(stream.request_id, None, "", "error", str(e), len(ids), 0))
+
+        self._command(admit)
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (no-op if it already ended); its blocks are freed before the next step."""
+        self._command(lambda: self.runtime.cancel(request_id))
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        """Submit all, wait for all (in-flight batched together); results in order."""
+        streams = [self.submit(p, params) for p in prompts]
+        return [s.result() for s in streams]
+
+    @property
+    def num_pending(self) -> int:
+        """Submitted and not yet running: the waiting queue plus commands not yet applied."""
+        return len(self._inbox) + self.runtime.num_waiting
+
+    # -- the loop thread ----------------------------------------------------------------------------------------
+    def _command(self, fn: Callable[[], object]) -> None:
+        if self._stop:
+            raise RuntimeError("the engine loop is closed")
+        self._inbox.append(fn)  # deque.append is atomic: no lock needed between callers and the loop
+        self.start()
+        self._wake.set()
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="trtbuild-step-loop", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        rt = self.runtime
+        while True:
+            self._wake.clear()
+            while self._inbox:
+                self._inbox.popleft()()
+            if self._stop:
+                return
+            if rt.has_work:
+                try:
+                    rt.step()
+                except Exception as e:  # an engine failure ends the requests in flight, not the server
+                    self.failure = f"{type(e).__name__}: {e}"
+                    rt.end_all(Status.FAILED, "error", f"engine error: {self.failure}")
+                if self.on_step is not None:
+                    self.on_step(rt)
+            else:
+                self._wake.wait(_IDLE_TICK_S)
+            self.heartbeat = time.monotonic()
+
+    def close(self) -> None:
+        """Stop the loop; requests still live end as cancelled."""
+        if self._thread is not None and not self._stop:
+            self._inbox.append(lambda: self.runtime.end_all(Status.CANCELLED, "cancelled"))
+            self._stop = True
+            self._wake.set()
+            self._thread.join(timeout=30)
+        self._stop = True
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
