@@ -58,6 +58,16 @@ def _checkpoint(directory: Path) -> dict[str, Any]:
     }
 
 
+_CPU_PLUGINS = (
+    "KVCacheWrite, PagedAttention: reference ops on the CPU engine; the CUDA kernels are not yet verified on a GPU "
+    "(docs/kernels.md)"
+)
+_TENSORRT_PLUGINS = (
+    "KVCacheWrite, PagedAttention: CUDA kernels in the plan; neither they nor the TensorRT runtime backend are "
+    "verified on a GPU yet (docs/kernels.md, docs/engine.md)"
+)
+
+
 def _engine(directory: Path) -> dict[str, Any]:
     from toolchain.engine.build import read_build_config
 
@@ -78,9 +88,8 @@ def _engine(directory: Path) -> dict[str, Any]:
             "driver": compat.get("driver"),
             "cuda": compat.get("cuda"),
             "onnxruntime": config.get("onnxruntime"),
-            # until the CUDA plugins have run on a GPU against the reference vectors (docs/kernels.md)
-            "plugins": "KVCacheWrite, PagedAttention: reference ops on the CPU engine; the CUDA kernels are not yet "
-            "verified on a GPU (docs/kernels.md)",
+            # until the CUDA plugins and the TensorRT runtime have run on a GPU (docs/kernels.md, docs/engine.md)
+            "plugins": _TENSORRT_PLUGINS if config["backend"] == "tensorrt" else _CPU_PLUGINS,
         },
     }
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from toolchain.engine.api import Limits
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
 
@@ -23,20 +23,6 @@ PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers the trtbu
 PLAN_NAME = "engine.plan"
 LAYERS_NAME = "layers.json"
 TIMING_CACHE_NAME = "timing.cache"
-
-
-@dataclass(frozen=True)
-class Limits:
-    max_batch_size: int
-    max_num_tokens: int
-    max_seq_len: int
-    tokens_per_block: int
-    num_blocks: int
-    workspace_bytes: int = 4 << 30
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return -(-self.max_seq_len // self.tokens_per_block)
 
 
 def available() -> str | None:
@@ -95,7 +81,8 @@ def _profile_shapes(
         "new_lens": ((1,), (max(1, b // 2),), (b,)),
         "block_tables": ((1, 1), (max(1, b // 2), blocks), (b, blocks)),
         "logits_index": ((1,), (max(1, b // 2),), (t,)),
-        "kv_cache": (pool, pool, pool),
+        # the runtime may size its pool below the build's (eval, tests): any block count up to the built one
+        "kv_cache": ((num_layers, 1, *kv_block), pool, pool),
     }
 
 
