@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import itertools
 import queue
 import threading
@@ -75,11 +76,15 @@ class RequestStream:
             if event.finished:
                 return
 
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+    async def get(self, timeout: float | None = None) -> TokenEvent:
+        """The next event (asyncio streams); asyncio.TimeoutError after `timeout` s, with nothing lost."""
         if self._async is None:
             raise TypeError("this stream was opened without an event loop: use `for`")
+        return await asyncio.wait_for(self._async.get(), timeout)
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:
-            event = await self._async.get()
+            event = await self.get()
             yield event
             if event.finished:
                 return
@@ -107,7 +112,10 @@ class LLMEngine:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer | None = None, **runtime_options: Any):
         self.engine, self.tokenizer = engine, tokenizer
-        self.runtime = Runtime(engine, tokenizer=tokenizer, **runtime_options)
+        # the loop thread decodes with its own copy: a fast tokenizer used from two threads at once can fail with
+        # "Already borrowed" (its Rust state is not shared-mutable)
+        own = copy.deepcopy(tokenizer) if tokenizer is not None else None
+        self.runtime = Runtime(engine, tokenizer=own, **runtime_options)
         self._inbox: deque[Callable[[], object]] = deque()
         self._wake = threading.Event()
         self._stop = False
