@@ -557,6 +557,52 @@ def bench_(
     )
 
 
+@app.command(
+    epilog="Example: `trtbuild serve demo/out/engine --port 8000`, then `curl localhost:8000/v1/completions -H "
+    '\'Content-Type: application/json\' -d \'{"model": "engine", "prompt": "The build farm", "max_tokens": 16}\'`'
+)
+def serve(
+    engine_dir: Annotated[
+        Path, typer.Argument(help="An engine directory from `trtbuild build` (checked against its manifest).")
+    ],
+    host: Annotated[
+        str, typer.Option(help="Address to listen on; beyond loopback only with --api-keys.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    api_keys: Annotated[
+        Path | None,
+        typer.Option("--api-keys", help="Keys file: one `id:sha256hex(key)[:rpm=N,tpm=N]` line per key."),
+    ] = None,
+    max_queue: Annotated[
+        int, typer.Option("--max-queue", min=1, help="Waiting requests beyond which new ones get 429.")
+    ] = 256,
+    request_timeout: Annotated[
+        float, typer.Option("--request-timeout", min=0.001, help="Seconds before a request is aborted (408).")
+    ] = 600.0,
+    drain_timeout: Annotated[
+        float, typer.Option("--drain-timeout", min=0.0, help="On SIGTERM, seconds to let requests in flight finish.")
+    ] = 30.0,
+    served_model_name: Annotated[
+        str | None,
+        typer.Option("--served-model-name", help="The model id clients send; default the engine dir's name."),
+    ] = None,
+    log_requests: Annotated[
+        bool,
+        typer.Option("--log-requests", help="Put prompt and output text in the request log (off: ids and counts)."),
+    ] = False,
+) -> None:
+    """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), health and
+    readiness probes, Prometheus metrics under vLLM's names, API keys, per-key rate limits and graceful drain."""
+    from toolchain.serve.app import ServeOptions
+    from toolchain.serve.server import serve as run_server
+
+    with _handled():
+        options = ServeOptions(
+            host, port, api_keys, max_queue, request_timeout, drain_timeout, served_model_name, log_requests
+        )
+        run_server(engine_dir, options)
+
+
 plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
 

@@ -32,6 +32,13 @@ CONFIG: dict[str, Any] = {
 }
 
 
+# a plain role-tagged template, so that `serve`'s /v1/chat/completions works on the demo engine
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def byte_level_tokenizer() -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -42,9 +49,11 @@ def byte_level_tokenizer() -> Any:
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", model_max_length=512
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def make_tiny_llama(out: Path, seed: int = 0, force: bool = False) -> dict[str, Any]:

@@ -1,0 +1,508 @@
+"""The HTTP application: OpenAI's completions and chat completions over the Generation API, with API keys,
+per-key rate limits, a bounded queue, timeouts, health and readiness, Prometheus metrics and one JSON log line
+per request.
+
+Admission runs in this order, each step refusing with OpenAI's error JSON: draining or not warmed up (503),
+API key (401), body (400 naming the field), engine limits (400), rate limits (429 + Retry-After), queue (429 +
+Retry-After). Load never produces a 5xx: beyond the queue a request is told when to retry. A request that was
+admitted ends with a response, a timeout (408), or an abort when its client goes away — the runtime frees its KV
+blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from toolchain.engine.api import Engine
+from toolchain.runtime.llm_engine import LLMEngine, RequestStream
+from toolchain.runtime.request import SamplingParams, TokenEvent
+from toolchain.serve import (
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DEFAULT_HOST,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_REQUEST_TIMEOUT_S,
+    ENGINE_HEADER,
+    HEALTH_GENERATE_PATH,
+    HEALTH_PATH,
+    METRICS_PATH,
+    READY_PATH,
+)
+from toolchain.serve.auth import ApiKey, KeyRing, RateLimiter
+from toolchain.serve.metrics import Metrics
+from toolchain.serve.protocol import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    completion_body,
+    new_id,
+    usage,
+)
+
+log = logging.getLogger("trtbuild.serve")
+ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
+# runtime finish reason -> (OpenAI finish_reason, vLLM's finished_reason label)
+FINISH = {
+    "length": ("length", "length"),
+    "stop_token": ("stop", "stop"),
+    "stop_string": ("stop", "stop"),
+    "cancelled": ("abort", "abort"),
+    "timeout": ("abort", "abort"),
+    "error": ("error", "error"),
+}
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_keys: Path | None = None
+    max_queue: int = DEFAULT_MAX_QUEUE
+    request_timeout: float = DEFAULT_REQUEST_TIMEOUT_S
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_S
+    served_model_name: str | None = None
+    log_requests: bool = False
+    heartbeat_timeout: float = 60.0  # /health fails when a step has run longer than this
+
+
+@dataclass
+class _Admitted:
+    """One admitted request's bookkeeping, for metrics, rate-limit settlement and the log line."""
+
+    id: str
+    key_id: str
+    prompt_ids: list[int]
+    reserved: int
+    arrived: float
+    stream: RequestStream
+    token_times: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    final: TokenEvent | None = None
+
+
+class ServerState:
+    """Everything the routes share: the engine loop, keys and limits, metrics, readiness and drain."""
+
+    def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions, keys: list[ApiKey] | None):
+        self.spec, self.tokenizer, self.options = engine.spec, tokenizer, options
+        self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
+        self.llm = LLMEngine(engine, tokenizer)
+        self.metrics = Metrics(engine.spec, self.model_name)
+        self.llm.on_step = self.metrics.observe_step
+        self.keyring = KeyRing(keys) if keys else None
+        self.limiter = RateLimiter(keys or [])
+        self.ready = self.draining = False
+        self.warmup_error: str | None = None
+        self.inflight = 0
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
+
+    def warm_up(self) -> None:
+        """One real token through the engine before /ready says yes."""
+        result = self.llm.submit([self._probe_token()], SamplingParams(max_new_tokens=1, temperature=0)).result()
+        if result.error:
+            self.warmup_error = result.error
+            log.error(json.dumps({"event": "warmup_failed", "error": result.error}))
+        else:
+            self.ready = True
+
+    def _probe_token(self) -> int:
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        return int(bos) if isinstance(bos, int) else 0
+
+    def health(self) -> tuple[bool, str]:
+        if self.warmup_error:
+            return False, f"warm-up failed: {self.warmup_error}"
+        stalled = time.monotonic() - self.llm.heartbeat
+        if self.llm.runtime.has_work and stalled > self.options.heartbeat_timeout:
+            return False, f"the engine loop has not completed a step for {stalled:.0f} s"
+        return True, "ok"
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="trtbuild serve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.trtbuild = state
+    app.add_middleware(EngineHeader, value=(state.spec.manifest_sha256 or "unknown").encode())
+    _install_handlers(app, state)
+    _install_probes(app, state)
+    _install_openai(app, state)
+    return app
+
+
+class EngineHeader:
+    """Every response names the engine (its manifest's sha256). Pure ASGI, so that streams pass untouched."""
+
+    def __init__(self, app: ASGIApp, value: bytes):
+        self.app, self.value = app, value
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), (ENGINE_HEADER.encode(), self.value)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+def _error(e: ApiError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _install_handlers(app: FastAPI, state: ServerState) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+        return _error(e)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, e: Exception) -> JSONResponse:
+        log.exception("unexpected error")  # a bug: keep the traceback in the log, not in the response
+        return _error(ApiError(500, f"internal error ({type(e).__name__}); see the server log", "server_error"))
+
+
+def _install_probes(app: FastAPI, state: ServerState) -> None:
+    @app.get(HEALTH_PATH)
+    async def health() -> JSONResponse:
+        ok, why = state.health()
+        return JSONResponse({"status": why}, status_code=200 if ok else 503)
+
+    @app.get(READY_PATH)
+    async def ready() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not state.ready:
+            return JSONResponse({"status": state.warmup_error or "warming up"}, status_code=503)
+        return JSONResponse({"status": "ready"})
+
+    @app.get(HEALTH_GENERATE_PATH)
+    async def health_generate() -> JSONResponse:
+        started = time.monotonic()
+        stream = state.llm.submit(
+            [state._probe_token()], SamplingParams(max_new_tokens=1, temperature=0), loop=asyncio.get_running_loop()
+        )
+        try:
+            event = await stream.get(timeout=state.options.heartbeat_timeout)
+            while not event.finished:
+                event = await stream.get(timeout=state.options.heartbeat_timeout)
+        except asyncio.TimeoutError:
+            state.llm.abort(stream.request_id)
+            return JSONResponse({"status": "no token within the heartbeat timeout"}, status_code=503)
+        if event.finish_reason == "error":
+            return JSONResponse({"status": f"engine error: {event.error}"}, status_code=503)
+        return JSONResponse({"status": "ok", "token": event.token, "latency_s": time.monotonic() - started})
+
+    @app.get(METRICS_PATH)
+    async def metrics() -> Response:
+        state.metrics.observe_step(state.llm.runtime)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def _install_openai(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        spec = state.spec
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "trtbuild",
+            "max_model_len": spec.limits.max_seq_len,
+            "engine_sha256": spec.manifest_sha256,
+            "recipe_sha256": _recipe_sha256(spec.engine_dir),
+            "quantization": dict(spec.quantization),
+            "backend": spec.backend,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(state, request, chat=True)
+
+
+def _recipe_sha256(engine_dir: Path) -> str | None:
+    try:
+        value = json.loads((engine_dir / "manifest.json").read_text()).get("recipe_sha256")
+        return str(value) if value else None
+    except (OSError, ValueError):
+        return None
+
+
+def _reject(state: ServerState, reason: str, error: ApiError) -> ApiError:
+    state.metrics.rejections.labels(reason).inc()
+    return error
+
+
+def _authorize(state: ServerState, request: Request) -> str:
+    """The key id of the request's API key (ANONYMOUS without --api-keys)."""
+    if state.keyring is None:
+        return ANONYMOUS
+    key = state.keyring.identify(request.headers.get("authorization"))
+    if key is None:
+        raise _reject(
+            state,
+            "auth",
+            ApiError(401, "a valid API key is required: Authorization: Bearer KEY", "authentication_error"),
+        )
+    return key.id
+
+
+async def _parse(state: ServerState, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    try:
+        raw = await request.json()
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _reject(state, "bad_request", ApiError(400, f"the body is not valid JSON ({e})")) from e
+    model = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        return model.model_validate(raw)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "body"
+        raise _reject(state, "bad_request", ApiError(400, f"{where}: {first['msg']}", param=where)) from e
+
+
+def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+    tok = state.tokenizer
+    if isinstance(body, ChatCompletionRequest):
+        if not body.messages:
+            raise ApiError(400, "messages is empty", param="messages")
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
+        return list(tok.encode(prompt))
+    return [int(t) for t in prompt]
+
+
+def _sampling(state: ServerState, body: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> SamplingParams:
+    limit = state.spec.limits.max_seq_len
+    if len(ids) >= limit:
+        field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+        raise ApiError(400, f"the prompt has {len(ids)} tokens; this engine's max_seq_len is {limit}", param=field_name)
+    asked = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
+    asked = asked if asked is not None else body.max_tokens
+    default = limit - len(ids) if isinstance(body, ChatCompletionRequest) else min(16, limit - len(ids))
+    max_tokens = default if asked is None else asked
+    if max_tokens < 1 or len(ids) + max_tokens > limit:
+        raise ApiError(
+            400,
+            f"max_tokens {max_tokens}: must be >= 1 and prompt ({len(ids)}) + max_tokens <= max_seq_len {limit}",
+            param="max_tokens",
+        )
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=body.temperature,
+        top_k=body.top_k,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop_token_ids=state.stop_ids,
+        stop_strings=body.stops(),
+    )
+
+
+async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
+    arrived = time.monotonic()
+    if state.draining or not state.ready:
+        why = "the server is draining" if state.draining else "the engine is warming up"
+        error = ApiError(503, f"{why}; retry on another replica", "unavailable")
+        error.headers["Retry-After"] = "1"
+        raise _reject(state, "draining", error) if state.draining else error
+    key_id = _authorize(state, request)
+    body = await _parse(state, request, chat)
+    try:
+        if body.model != state.model_name:
+            raise ApiError(
+                400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", param="model"
+            )
+        body.refuse_unsupported()
+        ids = _prompt_ids(state, body)
+        params = _sampling(state, body, ids)
+        problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
+        if problem:
+            raise ApiError(400, problem, param="prompt")
+    except ApiError as e:
+        raise _reject(state, "bad_request", e) from e
+    admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop())
+    model = body.model
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse(state, admitted, model, chat, include_usage, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+    return await _respond(state, admitted, model, chat, request)
+
+
+def _admit(
+    state: ServerState,
+    key_id: str,
+    ids: list[int],
+    params: SamplingParams,
+    arrived: float,
+    loop: asyncio.AbstractEventLoop,
+) -> _Admitted:
+    reserved = len(ids) + params.max_new_tokens
+    wait = state.limiter.admit(key_id, reserved)
+    if wait:
+        if math.isinf(wait):
+            raise _reject(
+                state,
+                "bad_request",
+                ApiError(
+                    400,
+                    f"prompt + max_tokens ({reserved}) exceed this key's tokens-per-minute limit",
+                    param="max_tokens",
+                ),
+            )
+        error = ApiError(429, f"rate limit of key {key_id!r} reached; retry in {math.ceil(wait)} s", "rate_limit_error")
+        error.headers["Retry-After"] = str(math.ceil(wait))
+        raise _reject(state, "rate", error)
+    if state.llm.num_pending >= state.options.max_queue:
+        state.limiter.settle(key_id, reserved, 0)
+        error = ApiError(429, f"the server's queue is full ({state.options.max_queue} waiting); retry", "overloaded")
+        error.headers["Retry-After"] = "1"
+        raise _reject(state, "queue", error)
+    rid = new_id("cmpl")
+    stream = state.llm.submit(ids, params, rid, state.options.request_timeout, loop)
+    state.inflight += 1
+    state.metrics.key_requests.labels(key_id).inc()
+    return _Admitted(rid, key_id, ids, reserved, arrived, stream)
+
+
+async def _events(state: ServerState, a: _Admitted, request: Request) -> AsyncIterator[TokenEvent]:
+    """The request's events; a client that disconnects (seen within a second while idle) aborts it."""
+    while True:
+        try:
+            event = await a.stream.get(timeout=1.0)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.llm.abort(a.id)
+            continue
+        if event.token is not None:
+            a.token_times.append(time.monotonic())
+        a.text.append(event.text)
+        if event.finished:
+            a.final = event
+        yield event
+        if event.finished:
+            return
+
+
+async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, request: Request) -> Response:
+    try:
+        async for _ in _events(state, a, request):
+            pass
+    finally:
+        _finish(state, a)
+    assert a.final is not None
+    final = a.final
+    if final.finish_reason == "timeout":
+        raise _reject(state, "timeout", ApiError(408, f"request timed out: {final.error}", "timeout"))
+    if final.finish_reason == "error":
+        raise ApiError(500, f"the engine failed: {final.error}", "server_error")
+    finish = FINISH[str(final.finish_reason)][0]
+    use = usage(len(a.prompt_ids), final.generated_tokens)
+    return JSONResponse(completion_body(a.id, model, "".join(a.text), finish, use, chat, chunk=False))
+
+
+def _sse_data(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, separators=(',', ':'))}\n\n"
+
+
+async def _sse(
+    state: ServerState, a: _Admitted, model: str, chat: bool, include_usage: bool, request: Request
+) -> AsyncIterator[str]:
+    try:
+        if chat:
+            first = completion_body(a.id, model, "", None, None, chat, chunk=True)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield _sse_data(first)
+        async for event in _events(state, a, request):
+            if event.text:
+                yield _sse_data(completion_body(a.id, model, event.text, None, None, chat, chunk=True))
+            if not event.finished:
+                continue
+            reason = str(event.finish_reason)
+            if reason == "timeout":  # headers are sent: the error travels as an event, as OpenAI's does
+                state.metrics.rejections.labels("timeout").inc()
+                yield _sse_data(ApiError(408, f"request timed out: {event.error}", "timeout").body())
+            elif reason == "error":
+                yield _sse_data(ApiError(500, f"the engine failed: {event.error}", "server_error").body())
+            else:
+                yield _sse_data(completion_body(a.id, model, "", FINISH[reason][0], None, chat, chunk=True))
+            if include_usage:
+                tail = completion_body(
+                    a.id, model, "", None, usage(len(a.prompt_ids), event.generated_tokens), chat, chunk=True
+                )
+                tail["choices"] = []
+                yield _sse_data(tail)
+            yield "data: [DONE]\n\n"
+    finally:
+        if a.final is None:  # the client went away mid-stream: free its blocks before the next step
+            state.llm.abort(a.id)
+        _finish(state, a)
+
+
+_STATUS = {"timeout": 408, "error": 500, "cancelled": 499}  # 499: the client closed the request (nginx's code)
+
+
+def _finish(state: ServerState, a: _Admitted) -> None:
+    """Once per admitted request: metrics, token accounting, rate-limit settlement, the log line."""
+    state.inflight -= 1
+    reason = str(a.final.finish_reason) if a.final is not None else "cancelled"
+    generated = a.final.generated_tokens if a.final is not None else len(a.token_times)
+    state.limiter.settle(a.key_id, a.reserved, len(a.prompt_ids) + generated)
+    state.metrics.key_tokens.labels(a.key_id, "prompt").inc(len(a.prompt_ids))
+    state.metrics.key_tokens.labels(a.key_id, "generation").inc(generated)
+    if a.stream.request is not None:
+        state.metrics.observe_request(a.stream.request, FINISH[reason][1], a.arrived, a.token_times)
+    line: dict[str, Any] = {
+        "event": "request",
+        "id": a.id,
+        "key_id": a.key_id,
+        "status": _STATUS.get(reason, 200),
+        "finish_reason": reason,
+        "prompt_tokens": len(a.prompt_ids),
+        "completion_tokens": generated,
+        "ttft_s": round(a.token_times[0] - a.arrived, 6) if a.token_times else None,
+        "e2e_s": round(time.monotonic() - a.arrived, 6),
+    }
+    if state.options.log_requests:  # text only when asked: prompts are the users' data
+        line["prompt"] = state.tokenizer.decode(a.prompt_ids) if state.tokenizer is not None else a.prompt_ids
+        line["output"] = "".join(a.text)
+    log.info(json.dumps(line, ensure_ascii=False))
+
+
+def start_warm_up(state: ServerState) -> threading.Thread:
+    thread = threading.Thread(target=state.warm_up, name="trtbuild-warmup", daemon=True)
+    thread.start()
+    return thread

@@ -1,0 +1,125 @@
+"""OpenAI's request and response shapes for /v1/completions and /v1/chat/completions (the subset we serve), and
+its error JSON. Fields we do not support are refused by name rather than ignored: a client that asks for n=2 or
+logprobs and silently gets one plain answer has been misled.
+
+Reference for the shapes: OpenAI's API reference (Completions, Chat Completions, streaming chunks with
+stream_options.include_usage) as vLLM and trtllm-serve implement them.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ApiError(Exception):
+    """An error the client caused or must handle: HTTP status, OpenAI error type, message, offending field."""
+
+    def __init__(
+        self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+        self.headers: dict[str, str] = {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not act on (user, metadata...)
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)  # vLLM's extension; 0 = no limit
+    seed: int | None = Field(None, ge=0)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: Any = None
+    echo: bool = False
+    best_of: int | None = None
+
+    def refuse_unsupported(self) -> None:
+        if self.n != 1 or (self.best_of is not None and self.best_of != 1):
+            field = "n" if self.n != 1 else "best_of"
+            raise ApiError(400, f"{field} must be 1: one choice per request (send several requests)", param=field)
+        if self.logprobs not in (None, False):
+            raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
+        if self.echo:
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
+        return tuple(stops)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ApiError(400, "one prompt per request (send several requests)", param="prompt")
+            p = p[0]
+        if not p:
+            raise ApiError(400, "prompt is empty", param="prompt")
+        return p  # type: ignore[return-value]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # content parts: text only
+            if any(part.get("type") != "text" for part in self.content):
+                raise ApiError(400, "only text content parts are supported", param="messages")
+            return "".join(str(part.get("text", "")) for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt: int, completion: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(
+    rid: str, model: str, text: str, finish: str | None, use: dict[str, int] | None, chat: bool, chunk: bool
+) -> dict[str, Any]:
+    """A response, or one streaming chunk, in OpenAI's shape for completions or chat."""
+    if chat:
+        key, value = ("delta", {"content": text}) if chunk else ("message", {"role": "assistant", "content": text})
+        choice: dict[str, Any] = {"index": 0, key: value, "logprobs": None, "finish_reason": finish}
+        kind = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        kind = "text_completion"
+    body: dict[str, Any] = {"id": rid, "object": kind, "created": int(time.time()), "model": model}
+    body["choices"] = [choice]
+    if use is not None or not chunk:
+        body["usage"] = use
+    return body
