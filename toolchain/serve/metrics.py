@@ -18,7 +18,8 @@ from toolchain.engine.api import EngineSpec
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import Request
 
-disable_created_metrics()  # no `_created` series beside every counter: vLLM's exposition has none either
+# no `_created` series beside every counter: vLLM's exposition has none either
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 REJECTION_REASONS = ("auth", "rate", "queue", "timeout", "bad_request", "draining")
 FINISH_REASONS = ("stop", "length", "abort", "error")
