@@ -21,6 +21,7 @@ generation (num_outputs = num_seqs), every token for evaluation (num_outputs = n
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,6 +54,14 @@ KV_DTYPES = {
 }
 
 
+def _positions(context_lens: np.ndarray, new_lens: np.ndarray) -> np.ndarray:
+    """Each sequence's new tokens at context_lens[s], context_lens[s] + 1, ... (vectorised: no loop over sequences)."""
+    starts = np.cumsum(new_lens) - new_lens
+    offsets = np.arange(int(new_lens.sum())) - np.repeat(starts, new_lens)
+    positions: np.ndarray = (np.repeat(context_lens, new_lens) + offsets).astype(np.int32)
+    return positions
+
+
 @dataclass
 class Batch:
     """One engine call's inputs (the KV pool is held by the caller and passed alongside)."""
@@ -73,36 +82,33 @@ class Batch:
         needed = -(-(self.context_lens + self.new_lens) // tokens_per_block)
         if s and int(needed.max()) > self.block_tables.shape[1]:
             raise ValueError("a sequence needs more blocks than block_tables has columns")
-        expected = np.concatenate(
-            [np.arange(c, c + k) for c, k in zip(self.context_lens, self.new_lens, strict=True)] or [np.zeros(0)]
-        )
-        if not np.array_equal(self.position_ids, expected):
+        if not np.array_equal(self.position_ids, _positions(self.context_lens, self.new_lens)):
             raise ValueError("position_ids must run from context_lens[s] for each sequence's new tokens")
         if self.logits_index.size and not (self.logits_index.min() >= 0 and self.logits_index.max() < n):
             raise ValueError("logits_index out of range")
 
     def check_blocks(self, num_blocks: int, tokens_per_block: int) -> None:
         """Every block a sequence uses exists (a negative id would silently wrap around in the pool)."""
-        for s, (c, n) in enumerate(zip(self.context_lens, self.new_lens, strict=True)):
-            used = self.block_tables[s, : -(-(int(c) + int(n)) // tokens_per_block)]
-            if used.size and (used.min() < 0 or used.max() >= num_blocks):
-                raise ValueError(f"sequence {s}: block ids {used.tolist()} outside the pool's {num_blocks} blocks")
+        needed = -(-(self.context_lens.astype(np.int64) + self.new_lens) // tokens_per_block)
+        used = np.arange(self.block_tables.shape[1])[None, :] < needed[:, None]
+        bad = used & ((self.block_tables < 0) | (self.block_tables >= num_blocks))
+        if bad.any():
+            s = int(np.argmax(bad.any(axis=1)))
+            ids = self.block_tables[s, : int(needed[s])].tolist()
+            raise ValueError(f"sequence {s}: block ids {ids} outside the pool's {num_blocks} blocks")
 
     @staticmethod
     def from_sequences(
         new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]], all_logits: bool = False
     ) -> Batch:
         """Pack per-sequence new tokens (each after `context_lens[s]` cached ones) into one call."""
-        new_lens = np.array([len(t) for t in new_tokens], dtype=np.int32)
-        ctx = np.array(context_lens, dtype=np.int32)
-        ids = np.array([t for seq in new_tokens for t in seq], dtype=np.int32)
-        pos = np.concatenate([np.arange(c, c + n, dtype=np.int32) for c, n in zip(ctx, new_lens, strict=True)])
-        width = max((len(b) for b in block_tables), default=0)
-        tables = np.zeros((len(block_tables), max(width, 1)), dtype=np.int32)
-        for s, blocks in enumerate(block_tables):
-            tables[s, : len(blocks)] = blocks
-        last = np.cumsum(new_lens) - 1
-        index = np.arange(ids.shape[0], dtype=np.int32) if all_logits else last.astype(np.int32)
+        new_lens = np.fromiter(map(len, new_tokens), dtype=np.int32, count=len(new_tokens))
+        ctx = np.asarray(context_lens, dtype=np.int32)
+        ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int32, count=int(new_lens.sum()))
+        pos = _positions(ctx, new_lens)
+        width = max(1, max(map(len, block_tables), default=0))
+        tables = np.array([b + [0] * (width - len(b)) for b in block_tables], dtype=np.int32).reshape(-1, width)
+        index = np.arange(ids.shape[0], dtype=np.int32) if all_logits else (np.cumsum(new_lens) - 1).astype(np.int32)
         return Batch(ids, pos, ctx, new_lens, tables, index)
 
     def feeds(self) -> dict[str, np.ndarray]:

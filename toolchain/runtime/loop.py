@@ -176,19 +176,26 @@ class Runtime:
         )
         logits = self.engine.forward(batch, self.pool)
         self.steps += 1
-        for s, row in zip(scheduled, logits, strict=True):
+        tpb = self.blocks.tokens_per_block
+        for i, s in enumerate(scheduled):
             request = s.request
             if request.done:  # cancelled while this step ran
                 continue
             request.num_computed += len(s.tokens)
-            request.registered = self.blocks.register(
-                request.tokens, request.blocks, request.num_computed, request.block_hashes, request.registered
-            )
-            if request.pending:  # a prefill chunk with more to come: its logits are not a prediction yet
+            if request.num_computed // tpb > request.registered:  # a block filled: offer it to the prefix cache
+                request.registered = self.blocks.register(
+                    request.tokens, request.blocks, request.num_computed, request.block_hashes, request.registered
+                )
+            if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
                 continue
             if not request.generated:
                 self.prompt_tokens += len(request.prompt)
-            self._accept(request, sample(row, request.params, request.generator), ended)
+            row = logits[i]
+            # greedy: numpy's per-row argmax is the fast one (axis=1 over a 2-D array takes a slower generic path)
+            token = (
+                int(row.argmax()) if request.params.temperature == 0 else sample(row, request.params, request.generator)
+            )
+            self._accept(request, token, ended)
         used = self.blocks.num_used / self.blocks.num_blocks
         self.peak_utilization = max(self.peak_utilization, used)
         if self.record_utilization:
@@ -198,7 +205,7 @@ class Runtime:
 
     def _accept(self, request: Request, token: int, ended: list[Request]) -> None:
         """A sampled token: stream it, and retire the request if it stops here."""
-        request.generated.append(token)
+        request.append(token)
         self.generated_tokens += 1
         if request.first_token is None:
             request.first_token = self.clock()

@@ -81,16 +81,24 @@ class Request:
     preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
     registered: int = 0  # full blocks already offered to the prefix cache
-    generator: torch.Generator = field(init=False)
+    tokens: list[int] = field(init=False)  # prompt + generated: what the model must have seen before the next sample
+    seed: int = field(init=False)
+    _generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
-        seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        self.generator = torch.Generator().manual_seed(seed)
+        self.tokens = list(self.prompt)
+        self.seed = self.params.seed if self.params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
 
     @property
-    def tokens(self) -> list[int]:
-        """Everything the model must have seen before the next sample: prompt and generated tokens."""
-        return self.prompt + self.generated
+    def generator(self) -> torch.Generator:
+        """The request's own random stream, made on first use (greedy requests never need one)."""
+        if self._generator is None:
+            self._generator = torch.Generator().manual_seed(self.seed)
+        return self._generator
+
+    def append(self, token: int) -> None:
+        self.generated.append(token)
+        self.tokens.append(token)
 
     @property
     def pending(self) -> int:

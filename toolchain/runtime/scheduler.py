@@ -80,7 +80,7 @@ class Scheduler:
         budget = self.max_num_tokens
         # 1. decodes, oldest first
         for request in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival):
-            if request not in self.running or budget == 0:
+            if request.status is not Status.RUNNING or budget == 0:  # preempted by an earlier decode this step
                 continue
             while not self._grow(request, request.num_computed + 1):
                 scheduled = {id(s.request) for s in out}
@@ -88,7 +88,7 @@ class Scheduler:
                 self._preempt(victim)
                 if victim is request:
                     break
-            if request in self.running:
+            if request.status is Status.RUNNING:
                 out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed))
                 budget -= 1
         # 2. prefills in progress, then 3. admissions, while budget and batch room remain

@@ -1,0 +1,106 @@
+"""What the runtime itself costs per step: scheduler, KV blocks, batch packing, sampling, bookkeeping — measured
+with a null engine (an `Engine` whose forward returns fixed logits at once), so that the figure is what a GPU
+engine, whose decode step of an 8B model takes ~10–20 ms, would pay on top of its own time.
+
+    python bench/step_overhead.py                 # batch 8 and 256, greedy, vocab 32000
+    python bench/step_overhead.py --batches 1 8 64 256 --sampling top_p
+
+Steady decode: every request prefilled first (not timed), then --steps decode steps timed one by one; the table
+shows the median and p90 per step and the share of the step in each phase (cProfile-free: perf_counter splits
+in a copy of Runtime.step would change what is measured, so the phases come from a separate --profile run).
+Goals (issue 15): <= 0.3 ms per step at batch 8, <= 1 ms at batch 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from toolchain.engine.api import EngineSpec, KVCacheSpec, Limits  # noqa: E402
+from toolchain.engine.contract import Batch  # noqa: E402
+from toolchain.runtime.loop import Runtime  # noqa: E402
+from toolchain.runtime.request import SamplingParams  # noqa: E402
+
+
+class NullEngine:
+    """Fixed logits, no work: the runtime's own cost is all that is left."""
+
+    def __init__(self, batch: int, vocab: int, max_seq_len: int, tokens_per_block: int = 16):
+        blocks = batch * -(-max_seq_len // tokens_per_block)
+        limits = Limits(batch, max(8192, batch), max_seq_len, tokens_per_block, blocks)
+        self.spec = EngineSpec(
+            Path("null"), "null", "float32", "float32", "Null", vocab, limits, KVCacheSpec("float32", 1, 1, 16, 1)
+        )
+        self.vocab_size, self.tokens_per_block = vocab, tokens_per_block
+        rng = np.random.default_rng(0)
+        self.logits = rng.standard_normal((limits.max_num_tokens, vocab), dtype=np.float32)
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(self.spec.kv_cache.pool_shape(num_blocks))
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        return self.logits[: batch.logits_index.shape[0]]
+
+
+def steady_steps(batch: int, args: argparse.Namespace, profile: cProfile.Profile | None = None) -> list[float]:
+    engine = NullEngine(batch, args.vocab, args.prompt + args.steps + 8)
+    rt = Runtime(engine)
+    params = {
+        "greedy": SamplingParams(max_new_tokens=args.steps + 4),
+        "top_p": SamplingParams(max_new_tokens=args.steps + 4, temperature=0.8, top_p=0.9, seed=0),
+    }[args.sampling]
+    rng = np.random.default_rng(1)
+    for _ in range(batch):
+        rt.add_request(rng.integers(3, args.vocab, args.prompt).tolist(), params)
+    while rt.num_waiting or any(r.pending > 1 for r in rt.scheduler.running):  # prefill, not timed
+        rt.step()
+    times = []
+    if profile is not None:
+        profile.enable()
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        rt.step()
+        times.append(time.perf_counter() - start)
+    if profile is not None:
+        profile.disable()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", type=int, nargs="+", default=[8, 256])
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--sampling", choices=["greedy", "top_p"], default="greedy")
+    ap.add_argument("--profile", action="store_true", help="print where the time goes (cProfile), per batch")
+    args = ap.parse_args()
+    print(f"null engine, vocab {args.vocab}, prompt {args.prompt}, {args.steps} decode steps, {args.sampling}")
+    print("| batch | median ms/step | p90 ms/step | goal |")
+    print("|---:|---:|---:|---|")
+    for b in args.batches:
+        times = sorted(steady_steps(b, args))
+        goal = {8: "<= 0.3", 256: "<= 1.0"}.get(b, "")
+        p90 = times[int(0.9 * (len(times) - 1))]
+        print(f"| {b} | {1e3 * statistics.median(times):.3f} | {1e3 * p90:.3f} | {goal} |")
+    if args.profile:
+        for b in args.batches:
+            prof = cProfile.Profile()
+            steady_steps(b, args, prof)
+            print(f"\n## batch {b}: cumulative time by function (top 18)")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()
