@@ -152,6 +152,16 @@ class OrtEngine:
         return torch.zeros(kv.pool_shape(num_blocks), dtype=kv.storage_dtype)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        # the reference ops are small gathers and einsums: torch's thread pool spinning beside ONNX Runtime's (and
+        # beside any other work on the machine) made a decode step 8x slower on 2 busy cores (docs/benchmarks.md)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return self._forward(batch, kv_cache)
+        finally:
+            torch.set_num_threads(threads)
+
+    def _forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
         kv = self.spec.kv_cache
         expected, dtype = kv.pool_shape(kv_cache.shape[1]), kv.storage_dtype
         if tuple(kv_cache.shape) != expected or kv_cache.dtype != dtype:
