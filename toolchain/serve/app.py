@@ -65,6 +65,9 @@ FINISH = {
     "timeout": ("abort", "abort"),
     "error": ("error", "error"),
 }
+# below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
+# of them would fail the step, and with it every request in the batch
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,7 @@ def _sampling(state: ServerState, body: CompletionRequest | ChatCompletionReques
         )
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=body.temperature,
+        temperature=body.temperature if body.temperature >= GREEDY_BELOW else 0.0,
         top_k=body.top_k,
         top_p=body.top_p,
         seed=body.seed,
@@ -387,7 +390,7 @@ def _admit(
         error.headers["Retry-After"] = str(math.ceil(wait))
         raise _reject(state, "rate", error)
     if state.llm.num_pending >= state.options.max_queue:
-        state.limiter.settle(key_id, reserved, 0)
+        state.limiter.refund(key_id, reserved)
         error = ApiError(429, f"the server's queue is full ({state.options.max_queue} waiting); retry", "overloaded")
         error.headers["Retry-After"] = "1"
         raise _reject(state, "queue", error)

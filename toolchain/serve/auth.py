@@ -134,6 +134,12 @@ class RateLimiter:
                 self.requests[key_id].give_back(1)
         return wait
 
+    def refund(self, key_id: str, reserved: int) -> None:
+        """A request admitted here and then refused (the queue was full): its request and its tokens go back."""
+        if key_id in self.requests:
+            self.requests[key_id].give_back(1)
+        self.settle(key_id, reserved, 0)
+
     def settle(self, key_id: str, reserved: int, used: int) -> None:
         """A request ended having used `used` of the `reserved` tokens: the rest goes back."""
         if key_id in self.tokens and reserved > used:

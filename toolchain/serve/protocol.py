@@ -41,7 +41,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # vLLM's extension; 0 = no limit
-    seed: int | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, lt=2**64)  # what torch.Generator.manual_seed accepts
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
