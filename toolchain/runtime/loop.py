@@ -192,9 +192,13 @@ class Runtime:
                 self.prompt_tokens += len(request.prompt)
             row = logits[i]
             # greedy: numpy's per-row argmax is the fast one (axis=1 over a 2-D array takes a slower generic path)
-            token = (
-                int(row.argmax()) if request.params.temperature == 0 else sample(row, request.params, request.generator)
-            )
+            try:
+                greedy = request.params.temperature == 0
+                token = int(row.argmax()) if greedy else sample(row, request.params, request.generator)
+            except (RuntimeError, ValueError) as e:  # this request's logits or parameters: not the batch's problem
+                self._retire(request, Status.FAILED, "error", f"sampling failed: {e}")
+                ended.append(request)
+                continue
             self._accept(request, token, ended)
         used = self.blocks.num_used / self.blocks.num_blocks
         self.peak_utilization = max(self.peak_utilization, used)

@@ -28,6 +28,8 @@ class SamplingParams:
             raise ValueError("max_new_tokens must be at least 1")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed {self.seed}: must be in [0, 2**64)")
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,8 @@ def sample(logits: np.ndarray, params: SamplingParams, generator: torch.Generato
     """One token id from logits [vocab]."""
     if params.temperature == 0:
         return int(np.argmax(logits))
-    scores = torch.from_numpy(np.asarray(logits, dtype=np.float64)) / params.temperature
+    scores = torch.from_numpy(np.asarray(logits, dtype=np.float64))
+    scores = (scores - scores.max()) / params.temperature  # max first: a tiny temperature cannot overflow to inf
     if params.top_k and params.top_k < scores.numel():  # exactly k tokens, ties at the k-th broken by index
         keep = torch.zeros_like(scores, dtype=torch.bool)
         keep[torch.topk(scores, params.top_k).indices] = True

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from toolchain.engine.api import Engine
@@ -174,6 +175,10 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, e: ApiError) -> JSONResponse:
         return _error(e)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's shape too
+        return _error(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -402,13 +407,19 @@ def _admit(
 
 
 async def _events(state: ServerState, a: _Admitted, request: Request) -> AsyncIterator[TokenEvent]:
-    """The request's events; a client that disconnects (seen within a second while idle) aborts it."""
+    """The request's events; a client that disconnects (looked for about once a second, whether tokens flow or not)
+    aborts it."""
+    checked = time.monotonic()
     while True:
         try:
             event = await a.stream.get(timeout=1.0)
         except asyncio.TimeoutError:
+            event = None
+        if time.monotonic() - checked >= 1.0 or event is None:
+            checked = time.monotonic()
             if await request.is_disconnected():
                 state.llm.abort(a.id)
+        if event is None:
             continue
         if event.token is not None:
             a.token_times.append(time.monotonic())
