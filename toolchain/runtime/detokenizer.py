@@ -3,9 +3,12 @@
 Decoding the whole output again for every new token costs O(n^2) over a long answer. Instead each step decodes a
 short window: the tokens from `prefix` (a few tokens back, for the tokenizer's context: SentencePiece's leading
 space, byte-level merges) to the end, minus the same window without the new tokens; the difference is the new
-text. While the window's text ends in U+FFFD the new tokens are an incomplete UTF-8 sequence (a multi-byte
+text. While the window's text ends in U+FFFD the new tokens may be an incomplete UTF-8 sequence (a multi-byte
 character split across byte tokens): nothing is released until it completes (vLLM's detokenizer works the same
-way).
+way). A character spans at most 4 tokens, so once 4 new tokens still end in U+FFFD, that U+FFFD may be invalid
+bytes or the replacement character itself, which no later token changes: the text before the last character is
+released then, so that a degenerate output (a model emitting stray bytes) neither stalls the stream nor widens
+the window with its length.
 
 Stop strings are searched only where a new match can be: the new text plus the last (longest stop - 1) characters
 before it. The text released to the client holds back that many characters, so a stop string split across tokens
@@ -18,6 +21,7 @@ from typing import Protocol
 
 _CONTEXT = 6  # tokens of left context re-decoded with each new one
 _INCOMPLETE = "\ufffd"
+_MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so it is split over at most 4 tokens
 
 
 class Decoder(Protocol):
@@ -46,11 +50,24 @@ class IncrementalDetokenizer:
         self.ids.append(token)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
-        if after.endswith(_INCOMPLETE) or not after.startswith(before):
-            return ""  # wait for the rest of the character (or for the window to agree with itself)
-        new = after[len(before) :]
-        self.prefix, self.read = max(self.prefix, len(self.ids) - _CONTEXT), len(self.ids)
-        return self._append(new)
+        end = len(self.ids)
+        if after.endswith(_INCOMPLETE):
+            cut = self._final_cut(after) if end - self.read >= _MAX_CHAR_TOKENS else None
+            if cut is None:
+                return ""  # wait for the rest of the character
+            end, after = cut, self._decode(self.ids[self.prefix : cut])
+        if not after.startswith(before):
+            return ""  # wait for the window to agree with itself
+        self.prefix, self.read = max(self.prefix, end - _CONTEXT), end
+        return self._append(after[len(before) :])
+
+    def _final_cut(self, after: str) -> int | None:
+        """The latest token boundary among the last few that ends text no later token can change: its window's
+        text is a prefix of `after` without its last character (the only one that may still be incomplete)."""
+        for cut in range(len(self.ids) - 1, max(self.read, len(self.ids) - _MAX_CHAR_TOKENS), -1):
+            if after[:-1].startswith(self._decode(self.ids[self.prefix : cut])):
+                return cut
+        return None
 
     def _append(self, new: str) -> str:
         start = max(0, len(self.text) - self._hold)

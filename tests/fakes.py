@@ -1,0 +1,112 @@
+"""A fake `Engine` for runtime and server tests: numpy only, no ONNX, no weights, microseconds per call.
+
+It keeps the engine contract for real: each call checks the packed batch, writes every new token's id into the
+KV pool (as its "K", at the slot the block table names) and reads each sequence's whole context back from the
+pool to pick the next token. So greedy output is a known function of the context (`expected_output`), and a
+block table that points at a block holding other tokens (a prefix-cache mistake) changes the output.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from toolchain.engine.api import EngineSpec, KVCacheSpec, Limits
+from toolchain.engine.contract import Batch
+
+VOCAB = 320  # as the tiny model's byte-level tokenizer: 3 specials + 256 bytes fit
+TOKENS_PER_BLOCK = 4
+_MODULUS = 317  # prime: changing one context token (by less than 317) changes the weighted sum modulo it
+_FIRST = VOCAB - _MODULUS  # next tokens fall in [3, 320): never one of the specials 0, 1, 2
+
+
+def _weights(n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int64) % 101 + 1
+
+
+def next_token(context: Sequence[int] | np.ndarray) -> int:
+    """The fake model: its greedy next token after `context`, which depends on every token and its position."""
+    ids = np.asarray(context, dtype=np.int64)
+    return _FIRST + int((ids * _weights(ids.size)).sum() % _MODULUS)
+
+
+def expected_output(prompt: Sequence[int], max_new_tokens: int) -> list[int]:
+    """What the runtime must generate greedily from `prompt`, computed without it."""
+    context, out = list(prompt), []
+    for _ in range(max_new_tokens):
+        out.append(next_token(context))
+        context.append(out[-1])
+    return out
+
+
+def fake_limits(
+    max_batch_size: int = 8, max_num_tokens: int = 64, max_seq_len: int = 256, num_blocks: int = 256
+) -> Limits:
+    return Limits(
+        max_batch_size=max_batch_size,
+        max_num_tokens=max_num_tokens,
+        max_seq_len=max_seq_len,
+        tokens_per_block=TOKENS_PER_BLOCK,
+        num_blocks=num_blocks,
+    )
+
+
+class FakeEngine:
+    """An `Engine` whose model is `next_token` (or `model`, any function of the context), run over the KV pool.
+
+    `delay_s` sleeps in every call (a slow engine, for cancellation tests); while `broken` is set, calls raise.
+    `calls` counts the calls and `seen` sums the sequences they carried."""
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        model: Callable[[np.ndarray], int] = next_token,
+        delay_s: float = 0.0,
+    ):
+        limits = limits or fake_limits()
+        kv = KVCacheSpec("float32", num_layers=1, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK, head_size=1)
+        self.spec = EngineSpec(
+            engine_dir=Path("."),
+            backend="fake",
+            dtype="float32",
+            checkpoint_dtype="float32",
+            architecture="FakeForCausalLM",
+            vocab_size=VOCAB,
+            limits=limits,
+            kv_cache=kv,
+        )
+        self.vocab_size, self.tokens_per_block = VOCAB, TOKENS_PER_BLOCK
+        self.model, self.delay_s = model, delay_s
+        self.broken = False
+        self.calls = self.seen = 0
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(self.spec.kv_cache.pool_shape(num_blocks), dtype=torch.float32)
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        if self.broken:
+            raise RuntimeError("fake engine failure")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        tpb, num_blocks = self.tokens_per_block, kv_cache.shape[1]
+        if batch.logits_index.size != batch.new_lens.size:
+            raise NotImplementedError("the fake engine gives one logits row per sequence (generation), not per token")
+        batch.check(tpb)
+        batch.check_blocks(num_blocks, tpb)
+        pool = kv_cache.numpy()[0, :, 0, 0, :, 0]  # [blocks, tokens_per_block]: a view, written in place
+        seq = np.repeat(np.arange(batch.new_lens.size), batch.new_lens)
+        pos = batch.position_ids.astype(np.int64)
+        pool[batch.block_tables[seq, pos // tpb], pos % tpb] = batch.input_ids
+        ends = batch.context_lens.astype(np.int64) + batch.new_lens
+        logits = np.zeros((batch.logits_index.size, VOCAB), dtype=np.float32)
+        for s, end in enumerate(ends.tolist()):
+            blocks = batch.block_tables[s, : -(-end // tpb)]
+            context = pool[blocks].reshape(-1)[:end].astype(np.int64)
+            logits[s, self.model(context)] = 1.0
+        self.calls += 1
+        self.seen += int(batch.new_lens.size)
+        return logits
