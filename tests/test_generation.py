@@ -16,9 +16,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from fakes import FakeEngine, expected_output, fake_limits, next_token
 
 from toolchain.checkpoint.tiny import byte_level_tokenizer
+from toolchain.engine.contract import Batch
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.detokenizer import IncrementalDetokenizer
 from toolchain.runtime.llm_engine import LLMEngine
@@ -392,3 +394,37 @@ def test_each_full_block_is_hashed_once(prompt_len: int, new: int, max_num_token
     full = (prompt_len + new - 1) // 4
     assert len(calls) == full == len(r.block_hashes)
     assert calls == [r.tokens[i * 4 : (i + 1) * 4] for i in range(full)]  # in order, each block once
+
+
+class NaNRows(FakeEngine):
+    """Every sequence whose context holds token 13 gets NaN logits: its sampling must fail, alone."""
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        logits = super().forward(batch, kv_cache)
+        starts = np.cumsum(batch.new_lens) - batch.new_lens
+        for s, (start, n) in enumerate(zip(starts, batch.new_lens, strict=True)):
+            if 13 in batch.input_ids[start : start + n]:
+                logits[s] = np.nan
+        return logits
+
+
+def test_a_request_whose_sampling_fails_ends_alone() -> None:
+    rt = Runtime(NaNRows())
+    poisoned = rt.add_request([13, 14, 15], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1))
+    healthy = rt.add_request([3, 4, 5], SamplingParams(max_new_tokens=4))
+    rt.run()
+    assert poisoned.finish_reason == "error" and "sampling failed" in (poisoned.error or "")
+    assert healthy.finish_reason == "length" and healthy.generated == expected_output([3, 4, 5], 4)
+    assert rt.blocks.num_used == 0
+
+
+def test_timeouts_come_from_a_deadline_heap_that_forgets_ended_requests() -> None:
+    clock = [0.0]
+    rt = Runtime(FakeEngine(), clock=lambda: clock[0])
+    late = rt.add_request([3, 4], SamplingParams(max_new_tokens=200), timeout=5.0)
+    for i in range(150):  # requests with deadlines that end in time must not pile up in the heap
+        rt.add_request([5 + i % 7], SamplingParams(max_new_tokens=1), timeout=10.0)
+        rt.step()
+    assert len(rt._deadlines) <= 2 * len(rt.requests) + 64 + 1
+    clock[0] = 6.0
+    assert late in rt.step() and late.finish_reason == "timeout"

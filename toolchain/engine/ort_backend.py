@@ -9,6 +9,7 @@ pool is an input the plugins update in place, as a TensorRT engine's pool bindin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,19 @@ class _Plugin:
     attrs: AttentionAttrs
     inputs: list[str]
     outputs: list[str]
+
+
+def available_cores() -> int:
+    """The cores this process may actually use: its CPU affinity, capped by a cgroup CPU quota (a container's
+    `cpu.max`), not the machine's count, which ONNX Runtime's default would take."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, int(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -85,7 +99,7 @@ class OrtEngine:
         parts = _split(model)
         graph_outputs = {o.name for o in model.graph.output}
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
+        options.intra_op_num_threads = threads or available_cores()
         # one session per segment: idle thread pools must sleep, not spin, or they starve the next segment and
         # the reference ops between them (bench/engine.py on 2 cores: decode 13x, prefill 6x slower when they spin)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")

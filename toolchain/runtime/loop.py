@@ -8,6 +8,8 @@ runtime when it ends; the caller keeps its `Request` object if it wants the resu
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
 from collections.abc import Callable
 
@@ -50,6 +52,8 @@ class Runtime:
         self.steps = 0
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0  # totals, for metrics
         self._outbox: list[tuple[Request, TokenEvent]] = []
+        self._deadlines: list[tuple[float, int, Request]] = []  # heap
+        self._order = itertools.count()  # ties between equal deadlines, without comparing requests
 
     # -- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
@@ -87,6 +91,8 @@ class Runtime:
         if request.id in self.requests:
             raise ValueError(f"request id {request.id!r} is already in use")
         request.deadline = now + timeout if timeout else None
+        if request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
         if self.tokenizer is not None:
             request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
         self.requests[request.id] = request
@@ -151,12 +157,17 @@ class Runtime:
 
     # -- the loop -----------------------------------------------------------------------------------------------
     def _expire(self, now: float) -> list[Request]:
-        expired = [
-            r for r in [*self.scheduler.waiting, *self.scheduler.running] if r.deadline is not None and now > r.deadline
-        ]
-        for r in expired:
-            assert r.deadline is not None
-            self._retire(r, Status.FAILED, "timeout", f"timed out after {r.deadline - r.arrival:g} s")
+        """Requests past their deadline fail. A heap of deadlines: a step looks at the expired ones only, not at
+        every queued request (5,000 waiting cost 3 ms a step when each was checked)."""
+        expired = []
+        while self._deadlines and self._deadlines[0][0] < now:
+            deadline, _, request = heapq.heappop(self._deadlines)
+            if not request.done:
+                self._retire(request, Status.FAILED, "timeout", f"timed out after {deadline - request.arrival:g} s")
+                expired.append(request)
+        if len(self._deadlines) > 2 * len(self.requests) + 64:  # ended requests' entries: drop, memory stays flat
+            self._deadlines = [d for d in self._deadlines if not d[2].done]
+            heapq.heapify(self._deadlines)
         return expired
 
     def step(self) -> list[Request]:
