@@ -428,3 +428,19 @@ def test_timeouts_come_from_a_deadline_heap_that_forgets_ended_requests() -> Non
     assert len(rt._deadlines) <= 2 * len(rt.requests) + 64 + 1
     clock[0] = 6.0
     assert late in rt.step() and late.finish_reason == "timeout"
+
+
+def test_partial_prefills_holding_every_block_do_not_deadlock() -> None:
+    from toolchain.runtime.request import Request
+    from toolchain.runtime.scheduler import Scheduler
+
+    blocks = BlockManager(4, 4)
+    sched = Scheduler(blocks, max_batch_size=4, max_num_tokens=16, max_seq_len=64)
+    a, b = Request(list(range(3, 15))), Request(list(range(20, 32)))  # 12 prompt tokens: 3 blocks each
+    for r in (a, b):  # each prefilled 8 of 12 tokens into 2 blocks: the pool is full, neither can go on
+        r.blocks, r.num_computed, r.status = [blocks.allocate(), blocks.allocate()], 8, Status.RUNNING
+        sched.running.append(r)
+    assert sched.schedule() == []  # nothing fits this step...
+    assert b.status is Status.WAITING and b.num_computed == 0 and blocks.num_free == 2  # ...so the newest yields
+    (s,) = sched.schedule()
+    assert s.request is a and s.tokens == a.prompt[8:]

@@ -51,8 +51,17 @@ class Completion:
 class RequestStream:
     """The events of one request, in order, ending with the one whose `finish_reason` is set."""
 
-    def __init__(self, request_id: str, prompt: list[int], loop: asyncio.AbstractEventLoop | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        loop: asyncio.AbstractEventLoop | None = None,
+        sink: Callable[[RequestStream, TokenEvent], None] | None = None,
+    ):
+        """`sink`: where an asyncio stream's events go first (LLMEngine batches them into one hand-off per step
+        and event loop); without one, each event crosses to the event loop on its own."""
         self.request_id, self.prompt = request_id, prompt
+        self._sink = sink
         self.request: Request | None = None  # set by the loop thread on admission: timings for metrics
         self._loop = loop
         self._sync: queue.SimpleQueue[TokenEvent] = queue.SimpleQueue()
@@ -62,6 +71,9 @@ class RequestStream:
     def put(self, event: TokenEvent) -> None:
         """Called by the loop thread."""
         if self._loop is not None and self._async is not None:
+            if self._sink is not None:
+                self._sink(self, event)
+                return
             with contextlib.suppress(RuntimeError):  # the caller's event loop closed: nobody is listening
                 self._loop.call_soon_threadsafe(self._async.put_nowait, event)
         else:
@@ -80,7 +92,10 @@ class RequestStream:
         """The next event (asyncio streams); asyncio.TimeoutError after `timeout` s, with nothing lost."""
         if self._async is None:
             raise TypeError("this stream was opened without an event loop: use `for`")
-        return await asyncio.wait_for(self._async.get(), timeout)
+        try:  # an event already there costs no task and no timer (wait_for makes both)
+            return self._async.get_nowait()
+        except asyncio.QueueEmpty:
+            return await asyncio.wait_for(self._async.get(), timeout)
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         while True:
@@ -105,6 +120,13 @@ class RequestStream:
         return self._completion
 
 
+def _deliver(batch: list[tuple[RequestStream, TokenEvent]]) -> None:
+    """On the event loop: queue each event on its stream."""
+    for stream, event in batch:
+        assert stream._async is not None
+        stream._async.put_nowait(event)
+
+
 class LLMEngine:
     """A runtime behind a thread: `submit` / `abort` from anywhere; `close` (or `with`) stops the loop."""
 
@@ -121,6 +143,7 @@ class LLMEngine:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
+        self._async_out: list[tuple[RequestStream, TokenEvent]] = []  # written by the loop thread only
         self.heartbeat = time.monotonic()
         self.failure: str | None = None  # the last engine error, for health checks and logs
         self.on_step: Callable[[Runtime], None] | None = None  # called by the loop thread after each step
@@ -143,7 +166,7 @@ class LLMEngine:
     ) -> RequestStream:
         """Queue a request; with `loop`, the stream is consumed with `async for` on that event loop."""
         ids = self.encode(prompt)
-        stream = RequestStream(request_id or f"gen-{next(self._ids)}", ids, loop)
+        stream = RequestStream(request_id or f"gen-{next(self._ids)}", ids, loop, self._to_async)
         params = params or SamplingParams()
 
         def admit() -> None:
@@ -177,6 +200,22 @@ class LLMEngine:
         self.start()
         self._wake.set()
 
+    def _to_async(self, stream: RequestStream, event: TokenEvent) -> None:
+        self._async_out.append((stream, event))
+
+    def _dispatch(self) -> None:
+        """Hand this round's events to their event loops: one thread-safe call per loop, not one per token."""
+        if not self._async_out:
+            return
+        items, self._async_out = self._async_out, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, TokenEvent]]] = {}
+        for stream, event in items:
+            assert stream._loop is not None
+            by_loop.setdefault(stream._loop, []).append((stream, event))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that event loop closed: nobody is listening
+                loop.call_soon_threadsafe(_deliver, batch)
+
     def start(self) -> None:
         with self._start_lock:
             if self._thread is None:
@@ -190,8 +229,10 @@ class LLMEngine:
             while self._inbox:
                 self._inbox.popleft()()
             if self._stop:
+                self._dispatch()
                 return
             if rt.has_work:
+                steps = rt.steps
                 try:
                     rt.step()
                 except Exception as e:  # an engine failure ends the requests in flight, not the server
@@ -199,7 +240,11 @@ class LLMEngine:
                     rt.end_all(Status.FAILED, "error", f"engine error: {self.failure}")
                 if self.on_step is not None:
                     self.on_step(rt)
+                self._dispatch()
+                if rt.steps == steps:  # nothing could be scheduled: wait for a command instead of spinning
+                    self._wake.wait(0.001)
             else:
+                self._dispatch()
                 self._wake.wait(_IDLE_TICK_S)
             self.heartbeat = time.monotonic()
 

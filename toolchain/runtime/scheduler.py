@@ -112,6 +112,8 @@ class Scheduler:
             )
             budget -= chunk
         if starved:
+            if not out:  # partial prefills hold every block and none can go on: free the newest, or none ever would
+                self._preempt(self.running[-1])
             return out
         while (
             self.waiting and budget > 0 and len(self.running) < self.max_batch_size and len(out) < self.max_batch_size

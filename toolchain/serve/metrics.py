@@ -47,6 +47,12 @@ _LATENCY = (
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
 
 
+_PER_MODEL = (
+    "running", "waiting", "kv_usage", "prompt_tokens", "generation_tokens", "preemptions",
+    "ttft", "itl", "e2e", "queue", "req_prompt", "req_generation",
+)  # fmt: skip
+
+
 class Metrics:
     def __init__(self, spec: EngineSpec, model_name: str):
         self.registry = r = CollectorRegistry()
@@ -90,29 +96,31 @@ class Metrics:
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
         self._seen_preemptions = 0
+        # children for our model_name, looked up once: labels() per token pair was 9 % of the event loop's time
+        self.c = {name: getattr(self, name).labels(model_name) for name in _PER_MODEL}
 
     def observe_step(self, rt: Runtime) -> None:
         """From the step loop, after each step: batch gauges and the preemption counter."""
-        self.running.labels(self.model).set(rt.num_running)
-        self.waiting.labels(self.model).set(rt.num_waiting)
-        self.kv_usage.labels(self.model).set(rt.blocks.num_used / rt.blocks.num_blocks)
+        self.c["running"].set(rt.num_running)
+        self.c["waiting"].set(rt.num_waiting)
+        self.c["kv_usage"].set(rt.blocks.num_used / rt.blocks.num_blocks)
         if rt.scheduler.preempted > self._seen_preemptions:
-            self.preemptions.labels(self.model).inc(rt.scheduler.preempted - self._seen_preemptions)
+            self.c["preemptions"].inc(rt.scheduler.preempted - self._seen_preemptions)
             self._seen_preemptions = rt.scheduler.preempted
 
     def observe_request(self, request: Request, finish_reason: str, arrived: float, token_times: list[float]) -> None:
         """A request that ran has ended. `arrived`: when the server received it; `token_times`: when each of its
         tokens reached the server (time.monotonic, as the runtime's clock)."""
         m = self.model
-        self.prompt_tokens.labels(m).inc(len(request.prompt))
-        self.generation_tokens.labels(m).inc(len(request.generated))
+        self.c["prompt_tokens"].inc(len(request.prompt))
+        self.c["generation_tokens"].inc(len(request.generated))
         self.success.labels(m, finish_reason).inc()
-        self.req_prompt.labels(m).observe(len(request.prompt))
-        self.req_generation.labels(m).observe(len(request.generated))
+        self.c["req_prompt"].observe(len(request.prompt))
+        self.c["req_generation"].observe(len(request.generated))
         if request.first_scheduled is not None:
-            self.queue.labels(m).observe(request.first_scheduled - arrived)
+            self.c["queue"].observe(request.first_scheduled - arrived)
         if token_times:
-            self.ttft.labels(m).observe(token_times[0] - arrived)
-            self.e2e.labels(m).observe(token_times[-1] - arrived)
+            self.c["ttft"].observe(token_times[0] - arrived)
+            self.c["e2e"].observe(token_times[-1] - arrived)
         for a, b in itertools.pairwise(token_times):
-            self.itl.labels(m).observe(b - a)
+            self.c["itl"].observe(b - a)
