@@ -55,7 +55,9 @@ class CountingDecoder:
     def __init__(self, tokenizer: Any):
         self.tokenizer, self.sizes = tokenizer, []
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
         self.sizes.append(len(ids))
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
@@ -444,3 +446,47 @@ def test_partial_prefills_holding_every_block_do_not_deadlock() -> None:
     assert b.status is Status.WAITING and b.num_computed == 0 and blocks.num_free == 2  # ...so the newest yields
     (s,) = sched.schedule()
     assert s.request is a and s.tokens == a.prompt[8:]
+
+
+def test_close_ends_every_stream_and_refuses_later_submits() -> None:
+    llm = LLMEngine(FakeEngine(delay_s=0.01))
+    streams = [llm.submit([3 + i, 4], SamplingParams(max_new_tokens=200)) for i in range(3)]
+    llm.close()
+    assert {s.result().finish_reason for s in streams} <= {"shutdown", "length"}
+    assert any(s.result().finish_reason == "shutdown" for s in streams)
+    assert llm.runtime.blocks.num_used == 0 and not llm.alive
+    with pytest.raises(RuntimeError, match="closed"):
+        llm.submit([3], SamplingParams(max_new_tokens=1))
+
+
+def test_a_failing_step_hook_ends_requests_but_not_the_loop() -> None:
+    with LLMEngine(FakeEngine()) as llm:
+        calls = []
+
+        def hook(_: Runtime) -> None:
+            calls.append(1)
+            if len(calls) == 1:
+                raise KeyError("metrics bug")
+
+        llm.on_step = hook
+        first = llm.submit([3, 4], SamplingParams(max_new_tokens=5)).result()
+        second = llm.submit([5, 6], SamplingParams(max_new_tokens=5)).result()
+        assert first.finish_reason == "error" and "metrics bug" in (first.error or "")
+        assert second.finish_reason == "length" and second.token_ids == expected_output([5, 6], 5)
+        assert llm.alive
+
+
+class RewritingDecoder:
+    """Rewrites text before the newest token (drops the space before a '.'), as clean-up decoders do."""
+
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
+        return " ".join("." if i == 0 else f"w{i}" for i in ids).replace(" .", ".")
+
+
+def test_a_decoder_that_rewrites_earlier_text_never_stalls_the_stream() -> None:
+    detok = IncrementalDetokenizer(RewritingDecoder())
+    pieces = [detok.add(t) for t in [1, 2, 0, 3, 4, 0, 5] * 30]
+    assert sum(bool(p) for p in pieces) > 150  # text keeps coming, token after token
+    assert detok.read == len(detok.ids) and detok.prefix >= len(detok.ids) - 8  # the window keeps moving

@@ -28,7 +28,9 @@ TPB = 4
 class SpacedIds:
     """A stand-in tokenizer: token ids as decimal words."""
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = True, clean_up_tokenization_spaces: bool = False
+    ) -> str:
         return " ".join(map(str, ids))
 
 

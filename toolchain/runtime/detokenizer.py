@@ -24,8 +24,14 @@ _INCOMPLETE = "\ufffd"
 _MAX_CHAR_TOKENS = 4  # a UTF-8 character has at most 4 bytes, so it is split over at most 4 tokens
 
 
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 class Decoder(Protocol):
-    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...
+    ) -> str: ...
 
 
 class IncrementalDetokenizer:
@@ -40,7 +46,8 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
 
     def _decode(self, ids: list[int]) -> str:
-        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip))
+        # no clean-up: it rewrites text before the new tokens ("Hello ." -> "Hello."), which a window cannot follow
+        return str(self.tokenizer.decode(ids, skip_special_tokens=self.skip, clean_up_tokenization_spaces=False))
 
     def add(self, token: int) -> str:
         """Take one generated token; return the text newly safe to stream ('' while a character is incomplete or
@@ -56,10 +63,10 @@ class IncrementalDetokenizer:
             if cut is None:
                 return ""  # wait for the rest of the character
             end, after = cut, self._decode(self.ids[self.prefix : cut])
-        if not after.startswith(before):
-            return ""  # wait for the window to agree with itself
+        # a decoder that still rewrites earlier text: stream what follows the common part, never stall
+        common = len(before) if after.startswith(before) else _common_prefix(before, after)
         self.prefix, self.read = max(self.prefix, end - _CONTEXT), end
-        return self._append(after[len(before) :])
+        return self._append(after[common:])
 
     def _final_cut(self, after: str) -> int | None:
         """The latest token boundary among the last few that ends text no later token can change: its window's

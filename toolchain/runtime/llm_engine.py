@@ -35,7 +35,9 @@ _IDLE_TICK_S = 0.5
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+    def decode(
+        self, ids: list[int], skip_special_tokens: bool = ..., clean_up_tokenization_spaces: bool = ...
+    ) -> str: ...
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,9 @@ class LLMEngine:
         self.runtime = Runtime(engine, tokenizer=own, **runtime_options)
         self._inbox: deque[Callable[[], object]] = deque()
         self._wake = threading.Event()
-        self._stop = False
+        self._stop = False  # close() was called: no new commands
+        self._stopped = False  # the loop thread has ended everything and returned
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._async_out: list[tuple[RequestStream, TokenEvent]] = []  # written by the loop thread only
@@ -194,9 +198,10 @@ class LLMEngine:
 
     # -- the loop thread ----------------------------------------------------------------------------------------
     def _command(self, fn: Callable[[], object]) -> None:
-        if self._stop:
-            raise RuntimeError("the engine loop is closed")
-        self._inbox.append(fn)  # deque.append is atomic: no lock needed between callers and the loop
+        with self._lock:  # no command can slip in after close() decided to stop: it would never be answered
+            if self._stop:
+                raise RuntimeError("the engine loop is closed")
+            self._inbox.append(fn)
         self.start()
         self._wake.set()
 
@@ -224,38 +229,60 @@ class LLMEngine:
 
     def _run(self) -> None:
         rt = self.runtime
-        while True:
+        while not self._stopped:
             self._wake.clear()
-            while self._inbox:
-                self._inbox.popleft()()
-            if self._stop:
+            try:
+                self._round(rt)
+            except Exception as e:  # a bug outside the engine call: end what is live, keep the loop alive
+                self.failure = f"{type(e).__name__}: {e}"
+                with contextlib.suppress(Exception):
+                    rt.end_all(Status.FAILED, "error", f"internal error: {self.failure}")
                 self._dispatch()
-                return
-            if rt.has_work:
-                steps = rt.steps
-                try:
-                    rt.step()
-                except Exception as e:  # an engine failure ends the requests in flight, not the server
-                    self.failure = f"{type(e).__name__}: {e}"
-                    rt.end_all(Status.FAILED, "error", f"engine error: {self.failure}")
-                if self.on_step is not None:
-                    self.on_step(rt)
-                self._dispatch()
-                if rt.steps == steps:  # nothing could be scheduled: wait for a command instead of spinning
-                    self._wake.wait(0.001)
-            else:
-                self._dispatch()
-                self._wake.wait(_IDLE_TICK_S)
             self.heartbeat = time.monotonic()
 
+    def _round(self, rt: Runtime) -> None:
+        while self._inbox:
+            self._inbox.popleft()()
+        if self._stop:
+            with self._lock:  # closed to new commands: apply the last ones, then end everything still live
+                while self._inbox:
+                    self._inbox.popleft()()
+            rt.end_all(Status.CANCELLED, "shutdown")
+            self._dispatch()
+            self._stopped = True
+            return
+        if not rt.has_work:
+            self._dispatch()
+            self._wake.wait(_IDLE_TICK_S)
+            return
+        steps = rt.steps
+        try:
+            rt.step()
+        except Exception as e:  # an engine failure ends the requests in flight, not the server
+            self.failure = f"{type(e).__name__}: {e}"
+            rt.end_all(Status.FAILED, "error", f"engine error: {self.failure}")
+        if self.on_step is not None:
+            self.on_step(rt)
+        self._dispatch()
+        if rt.steps == steps:  # nothing could be scheduled: wait for a command instead of spinning
+            self._wake.wait(0.001)
+
+    @property
+    def alive(self) -> bool:
+        """The loop thread runs (or has not been needed yet)."""
+        return not self._stopped and (self._thread is None or self._thread.is_alive())
+
     def close(self) -> None:
-        """Stop the loop; requests still live end as cancelled."""
-        if self._thread is not None and not self._stop:
-            self._inbox.append(lambda: self.runtime.end_all(Status.CANCELLED, "cancelled"))
+        """Stop the loop; requests still live end with finish reason "shutdown"."""
+        with self._lock:
+            if self._stop:
+                return
             self._stop = True
-            self._wake.set()
-            self._thread.join(timeout=30)
-        self._stop = True
+        if self._thread is None:
+            self._stopped = True
+            return
+        self._wake.set()
+        self._thread.join(timeout=30)
 
     def __enter__(self) -> LLMEngine:
         return self

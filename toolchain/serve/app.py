@@ -24,9 +24,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from toolchain.engine.api import Engine
@@ -63,6 +65,7 @@ FINISH = {
     "stop_token": ("stop", "stop"),
     "stop_string": ("stop", "stop"),
     "cancelled": ("abort", "abort"),
+    "shutdown": ("abort", "abort"),
     "timeout": ("abort", "abort"),
     "error": ("error", "error"),
 }
@@ -132,6 +135,8 @@ class ServerState:
     def health(self) -> tuple[bool, str]:
         if self.warmup_error:
             return False, f"warm-up failed: {self.warmup_error}"
+        if not self.llm.alive and not self.draining:
+            return False, f"the engine loop has stopped ({self.llm.failure or 'closed'})"
         stalled = time.monotonic() - self.llm.heartbeat
         if self.llm.runtime.has_work and stalled > self.options.heartbeat_timeout:
             return False, f"the engine loop has not completed a step for {stalled:.0f} s"
@@ -187,6 +192,8 @@ def _install_handlers(app: FastAPI, state: ServerState) -> None:
 
 
 def _install_probes(app: FastAPI, state: ServerState) -> None:
+    probe_lock = asyncio.Lock()
+
     @app.get(HEALTH_PATH)
     async def health() -> JSONResponse:
         ok, why = state.health()
@@ -202,6 +209,12 @@ def _install_probes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(HEALTH_GENERATE_PATH)
     async def health_generate() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        async with probe_lock:  # one probe in the engine at a time: unauthenticated callers cannot queue work
+            return await _probe()
+
+    async def _probe() -> JSONResponse:
         started = time.monotonic()
         stream = state.llm.submit(
             [state._probe_token()], SamplingParams(max_new_tokens=1, temperature=0), loop=asyncio.get_running_loop()
@@ -219,7 +232,7 @@ def _install_probes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(METRICS_PATH)
     async def metrics() -> Response:
-        state.metrics.observe_step(state.llm.runtime)
+        state.metrics.observe_gauges(state.llm.runtime)
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -280,6 +293,8 @@ def _authorize(state: ServerState, request: Request) -> str:
 async def _parse(state: ServerState, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
     try:
         raw = await request.json()
+    except ClientDisconnect as e:  # gone before its body arrived: nobody to answer
+        raise ApiError(499, "the client disconnected", "client_closed") from e
     except (ValueError, UnicodeDecodeError) as e:
         raise _reject(state, "bad_request", ApiError(400, f"the body is not valid JSON ({e})")) from e
     model = ChatCompletionRequest if chat else CompletionRequest
@@ -299,7 +314,10 @@ def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequ
         if tok is None or not getattr(tok, "chat_template", None):
             raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        try:
+            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except (TemplateError, TypeError, ValueError) as e:  # e.g. "roles must alternate": the messages' fault
+            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
         return [int(t) for t in ids]
     prompt = body.single_prompt()
@@ -338,11 +356,7 @@ def _sampling(state: ServerState, body: CompletionRequest | ChatCompletionReques
 
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
-    if state.draining or not state.ready:
-        why = "the server is draining" if state.draining else "the engine is warming up"
-        error = ApiError(503, f"{why}; retry on another replica", "unavailable")
-        error.headers["Retry-After"] = "1"
-        raise _reject(state, "draining", error) if state.draining else error
+    _check_open(state)
     key_id = _authorize(state, request)
     body = await _parse(state, request, chat)
     try:
@@ -370,6 +384,19 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     return await _respond(state, admitted, model, chat, request)
 
 
+def _unavailable(why: str) -> ApiError:
+    error = ApiError(503, f"{why}; retry on another replica", "unavailable")
+    error.headers["Retry-After"] = "1"
+    return error
+
+
+def _check_open(state: ServerState) -> None:
+    if state.draining:
+        raise _reject(state, "draining", _unavailable("the server is draining"))
+    if not state.ready:
+        raise _unavailable("the engine is warming up")
+
+
 def _admit(
     state: ServerState,
     key_id: str,
@@ -378,6 +405,7 @@ def _admit(
     arrived: float,
     loop: asyncio.AbstractEventLoop,
 ) -> _Admitted:
+    _check_open(state)  # again: a drain may have begun while the body was read
     reserved = len(ids) + params.max_new_tokens
     wait = state.limiter.admit(key_id, reserved)
     if wait:
@@ -400,7 +428,11 @@ def _admit(
         error.headers["Retry-After"] = "1"
         raise _reject(state, "queue", error)
     rid = new_id("cmpl")
-    stream = state.llm.submit(ids, params, rid, state.options.request_timeout, loop)
+    try:
+        stream = state.llm.submit(ids, params, rid, state.options.request_timeout, loop)
+    except RuntimeError as e:  # the engine loop closed (end of a drain) between the checks and here
+        state.limiter.refund(key_id, reserved)
+        raise _unavailable("the server is shutting down") from e
     state.inflight += 1
     state.metrics.key_requests.labels(key_id).inc()
     return _Admitted(rid, key_id, ids, reserved, arrived, stream)
@@ -436,9 +468,13 @@ async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, req
         async for _ in _events(state, a, request):
             pass
     finally:
+        if a.final is None:  # this handler was cancelled: do not leave the request holding its blocks
+            state.llm.abort(a.id)
         _finish(state, a)
     assert a.final is not None
     final = a.final
+    if final.finish_reason == "shutdown":
+        raise _unavailable("the server shut down before the request finished")
     if final.finish_reason == "timeout":
         raise _reject(state, "timeout", ApiError(408, f"request timed out: {final.error}", "timeout"))
     if final.finish_reason == "error":
@@ -466,7 +502,9 @@ async def _sse(
             if not event.finished:
                 continue
             reason = str(event.finish_reason)
-            if reason == "timeout":  # headers are sent: the error travels as an event, as OpenAI's does
+            if reason == "shutdown":
+                yield _sse_data(_unavailable("the server shut down before the request finished").body())
+            elif reason == "timeout":  # headers are sent: the error travels as an event, as OpenAI's does
                 state.metrics.rejections.labels("timeout").inc()
                 yield _sse_data(ApiError(408, f"request timed out: {event.error}", "timeout").body())
             elif reason == "error":
@@ -486,7 +524,8 @@ async def _sse(
         _finish(state, a)
 
 
-_STATUS = {"timeout": 408, "error": 500, "cancelled": 499}  # 499: the client closed the request (nginx's code)
+# 499: the client closed the request (nginx's code); 503: the server shut down before the request finished
+_STATUS = {"timeout": 408, "error": 500, "cancelled": 499, "shutdown": 503}
 
 
 def _finish(state: ServerState, a: _Admitted) -> None:

@@ -99,11 +99,15 @@ class Metrics:
         # children for our model_name, looked up once: labels() per token pair was 9 % of the event loop's time
         self.c = {name: getattr(self, name).labels(model_name) for name in _PER_MODEL}
 
-    def observe_step(self, rt: Runtime) -> None:
-        """From the step loop, after each step: batch gauges and the preemption counter."""
+    def observe_gauges(self, rt: Runtime) -> None:
+        """Batch gauges (a scrape refreshes them too: after an abort no step may follow)."""
         self.c["running"].set(rt.num_running)
         self.c["waiting"].set(rt.num_waiting)
         self.c["kv_usage"].set(rt.blocks.num_used / rt.blocks.num_blocks)
+
+    def observe_step(self, rt: Runtime) -> None:
+        """From the step loop only, after each step: the gauges and the preemption counter."""
+        self.observe_gauges(rt)
         if rt.scheduler.preempted > self._seen_preemptions:
             self.c["preemptions"].inc(rt.scheduler.preempted - self._seen_preemptions)
             self._seen_preemptions = rt.scheduler.preempted

@@ -117,7 +117,13 @@ def serve(engine_dir: Path, options: ServeOptions) -> None:
     _request_log()
     app = create_app(state)
     config = uvicorn.Config(
-        app, host=options.host, port=options.port, log_level="warning", access_log=False, lifespan="off"
+        app,
+        host=options.host,
+        port=options.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=int(options.drain_timeout) + 10,  # never wait forever on an open connection
     )
     server = DrainingServer(config, state)
     start_warm_up(state)
@@ -127,7 +133,9 @@ def serve(engine_dir: Path, options: ServeOptions) -> None:
         f"{(spec.manifest_sha256 or '?')[:12]}) on http://{options.host}:{options.port} "
         f"({'API keys required' if state.keyring else 'no API keys: loopback only'})"
     )
-    server.run()
-    state.llm.close()
-    if server.started is False and not state.draining:
-        raise UserError(f"could not listen on {options.host}:{options.port} (in use?); choose another --port")
+    try:
+        server.run()
+    except SystemExit as e:  # uvicorn exits (code 3) when it cannot bind
+        raise UserError(f"could not listen on {options.host}:{options.port} (in use?); choose another --port") from e
+    finally:
+        state.llm.close()
