@@ -19,6 +19,7 @@ from typing import Annotated, Any
 import typer
 
 from toolchain import __version__, console
+from toolchain import serve as serving  # the server's defaults (constants only; the server loads on use)
 from toolchain.errors import UserError
 
 app = typer.Typer(
@@ -567,21 +568,21 @@ def serve(
     ],
     host: Annotated[
         str, typer.Option(help="Address to listen on; beyond loopback only with --api-keys.")
-    ] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8000,
+    ] = serving.DEFAULT_HOST,
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = serving.DEFAULT_PORT,
     api_keys: Annotated[
         Path | None,
         typer.Option("--api-keys", help="Keys file: one `id:sha256hex(key)[:rpm=N,tpm=N]` line per key."),
     ] = None,
     max_queue: Annotated[
         int, typer.Option("--max-queue", min=1, help="Waiting requests beyond which new ones get 429.")
-    ] = 256,
+    ] = serving.DEFAULT_MAX_QUEUE,
     request_timeout: Annotated[
         float, typer.Option("--request-timeout", min=0.001, help="Seconds before a request is aborted (408).")
-    ] = 600.0,
+    ] = serving.DEFAULT_REQUEST_TIMEOUT_S,
     drain_timeout: Annotated[
         float, typer.Option("--drain-timeout", min=0.0, help="On SIGTERM, seconds to let requests in flight finish.")
-    ] = 30.0,
+    ] = serving.DEFAULT_DRAIN_TIMEOUT_S,
     served_model_name: Annotated[
         str | None,
         typer.Option("--served-model-name", help="The model id clients send; default the engine dir's name."),
