@@ -49,6 +49,9 @@ bench: $(STAMP)
 	$(BIN)/python bench/quantize.py
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/ifb.py
+	$(BIN)/python bench/step_overhead.py
+	$(BIN)/python bench/serve.py --no-aiperf
+	@echo "peers (onnxruntime-genai, vLLM CPU, in their own venvs): $(BIN)/python bench/peers.py --setup"
 
 # On a GPU machine (the device tool's H200 image has torch, cuda-bindings, NVRTC and compute-sanitizer): compile the
 # plugins for its SM, replay tests/vectors through them, sanitize, time; writes gpu-check.json/.md to $$OUT or .
