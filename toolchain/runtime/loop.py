@@ -50,7 +50,7 @@ class Runtime:
         self.utilization: list[tuple[float, float]] = []
         self.peak_utilization = 0.0
         self.steps = 0
-        self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0  # totals, for metrics
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache, over all requests
         self._outbox: list[tuple[Request, TokenEvent]] = []
         self._deadlines: list[tuple[float, int, Request]] = []  # heap
         self._order = itertools.count()  # ties between equal deadlines, without comparing requests
@@ -199,8 +199,6 @@ class Runtime:
                 )
             if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
                 continue
-            if not request.generated:
-                self.prompt_tokens += len(request.prompt)
             row = logits[i]
             # greedy: numpy's per-row argmax is the fast one (axis=1 over a 2-D array takes a slower generic path)
             try:
@@ -221,7 +219,6 @@ class Runtime:
     def _accept(self, request: Request, token: int, ended: list[Request]) -> None:
         """A sampled token: stream it, and retire the request if it stops here."""
         request.append(token)
-        self.generated_tokens += 1
         if request.first_token is None:
             request.first_token = self.clock()
         p, detok = request.params, request.detok

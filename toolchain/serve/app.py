@@ -59,15 +59,15 @@ from toolchain.serve.protocol import (
 
 log = logging.getLogger("trtbuild.serve")
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
-# runtime finish reason -> (OpenAI finish_reason, vLLM's finished_reason label)
+# runtime finish reason -> OpenAI's finish_reason, which is also vLLM's `finished_reason` metric label
 FINISH = {
-    "length": ("length", "length"),
-    "stop_token": ("stop", "stop"),
-    "stop_string": ("stop", "stop"),
-    "cancelled": ("abort", "abort"),
-    "shutdown": ("abort", "abort"),
-    "timeout": ("abort", "abort"),
-    "error": ("error", "error"),
+    "length": "length",
+    "stop_token": "stop",
+    "stop_string": "stop",
+    "cancelled": "abort",
+    "timeout": "abort",
+    "shutdown": "abort",
+    "error": "error",
 }
 # below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
 # of them would fail the step, and with it every request in the batch
@@ -479,7 +479,7 @@ async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, req
         raise _reject(state, "timeout", ApiError(408, f"request timed out: {final.error}", "timeout"))
     if final.finish_reason == "error":
         raise ApiError(500, f"the engine failed: {final.error}", "server_error")
-    finish = FINISH[str(final.finish_reason)][0]
+    finish = FINISH[str(final.finish_reason)]
     use = usage(len(a.prompt_ids), final.generated_tokens)
     return JSONResponse(completion_body(a.id, model, "".join(a.text), finish, use, chat, chunk=False))
 
@@ -510,7 +510,7 @@ async def _sse(
             elif reason == "error":
                 yield _sse_data(ApiError(500, f"the engine failed: {event.error}", "server_error").body())
             else:
-                yield _sse_data(completion_body(a.id, model, "", FINISH[reason][0], None, chat, chunk=True))
+                yield _sse_data(completion_body(a.id, model, "", FINISH[reason], None, chat, chunk=True))
             if include_usage:
                 tail = completion_body(
                     a.id, model, "", None, usage(len(a.prompt_ids), event.generated_tokens), chat, chunk=True
@@ -537,7 +537,7 @@ def _finish(state: ServerState, a: _Admitted) -> None:
     state.metrics.key_tokens.labels(a.key_id, "prompt").inc(len(a.prompt_ids))
     state.metrics.key_tokens.labels(a.key_id, "generation").inc(generated)
     if a.stream.request is not None:
-        state.metrics.observe_request(a.stream.request, FINISH[reason][1], a.arrived, a.token_times)
+        state.metrics.observe_request(a.stream.request, FINISH[reason], a.arrived, a.token_times)
     line: dict[str, Any] = {
         "event": "request",
         "id": a.id,
