@@ -372,7 +372,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
             raise ApiError(400, problem, param="prompt")
     except ApiError as e:
         raise _reject(state, "bad_request", e) from e
-    admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop())
+    admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop(), "chatcmpl" if chat else "cmpl")
     model = body.model
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -404,6 +404,7 @@ def _admit(
     params: SamplingParams,
     arrived: float,
     loop: asyncio.AbstractEventLoop,
+    id_prefix: str,
 ) -> _Admitted:
     _check_open(state)  # again: a drain may have begun while the body was read
     reserved = len(ids) + params.max_new_tokens
@@ -427,7 +428,7 @@ def _admit(
         error = ApiError(429, f"the server's queue is full ({state.options.max_queue} waiting); retry", "overloaded")
         error.headers["Retry-After"] = "1"
         raise _reject(state, "queue", error)
-    rid = new_id("cmpl")
+    rid = new_id(id_prefix)
     try:
         stream = state.llm.submit(ids, params, rid, state.options.request_timeout, loop)
     except RuntimeError as e:  # the engine loop closed (end of a drain) between the checks and here
