@@ -69,6 +69,9 @@ class Peer:
     options: dict[str, Any] = field(default_factory=dict)
 
 
+# onnx-ir: the model builder imports it but the wheel does not depend on it
+ORT_GENAI_PACKAGES = ("onnxruntime-genai", "onnx", "onnx-ir", "torch==2.13.0", "transformers", "safetensors")
+
 PEERS = {
     p.name: p
     for p in (
@@ -76,14 +79,14 @@ PEERS = {
         Peer(
             "onnxruntime-genai",
             "ort-genai",
-            ("onnxruntime-genai", "onnx", "onnx-ir", "torch==2.13.0", "transformers", "safetensors"),
+            ORT_GENAI_PACKAGES,
             workload=False,
             options={"precision": "fp32"},
         ),
         Peer(
             "onnxruntime-genai-int4",
             "ort-genai",
-            ("onnxruntime-genai", "onnx", "onnx-ir", "torch==2.13.0", "transformers", "safetensors"),
+            ORT_GENAI_PACKAGES,
             workload=False,
             options={"precision": "int4"},
         ),
