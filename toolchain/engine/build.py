@@ -27,6 +27,7 @@ from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
 from toolchain.engine.contract import CONTRACT_VERSION
 from toolchain.engine.export import export_model, save_model
 from toolchain.errors import UserError
+from toolchain.files import JSON_LIMIT, read_text_capped
 from toolchain.manifest import StageRecord, package_version
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
@@ -74,8 +75,8 @@ def build_engine(
     cfg = read_config(checkpoint)
     if cfg.mapping.world_size != 1:
         raise UserError(
-            f"{checkpoint} has {cfg.mapping.world_size} ranks; this version builds tp=1 pp=1 engines — convert "
-            "without --tp/--pp"
+            f"{checkpoint} is split over {cfg.mapping.world_size} ranks (tp={cfg.mapping.tp_size}, "
+            f"pp={cfg.mapping.pp_size}); engines are single-rank for now: convert again with --tp 1 --pp 1"
         )
     max_seq_len = opts.max_seq_len or cfg.max_position_embeddings
     if max_seq_len > cfg.max_position_embeddings:
@@ -151,7 +152,7 @@ def read_build_config(engine_dir: Path) -> dict[str, Any]:
     path = engine_dir / BUILD_CONFIG
     if not path.is_file():
         raise UserError(f"{engine_dir} is not an engine directory (no {BUILD_CONFIG}); build one with `trtbuild build`")
-    config: dict[str, Any] = json.loads(path.read_text())
+    config: dict[str, Any] = json.loads(read_text_capped(path, JSON_LIMIT, "build config"))
     if config.get("contract_version") != CONTRACT_VERSION:
         raise UserError(
             f"{path}: engine I/O contract {config.get('contract_version')}, this trtbuild speaks {CONTRACT_VERSION}; "
