@@ -1,14 +1,16 @@
 """In-flight batching benchmark: one model, one trace, four ways of serving it, in one run.
 
 1. trtbuild runtime, in-flight batching (requests join the running batch at every step, chunked prefill);
-2. trtbuild runtime, static batching on the same engine (wait for a full batch, run it to completion);
+2. trtbuild runtime, static batching on the same engine: batches of --batch requests, each run to completion before
+   the next is admitted (request-level batching, no padding: toolchain/runtime/replay.py says exactly what);
 3. transformers continuous batching (`init_continuous_batching` manager, paged attention; requests added at
    their arrival times, per-request max_new_tokens, per-token timestamps);
 4. transformers `generate` with static batches (wait for a full batch, left-padded, greedy).
 
 Workload: the first --requests requests of a trace (default: Azure conv), lengths scaled to the engine's context
 (toolchain/runtime/traces.py says how), arrival times divided by --rate-scale. Greedy decoding everywhere.
-Prints a table (or --json); figures go to docs/benchmarks.md.
+Prints a table (or --json); figures go to docs/benchmarks.md. Requests that did not complete are counted in the
+table, and the script exits 1 if any did, unless --allow-failures.
 
     python bench/ifb.py                                  # stories260K (../shared/data) and a random 54 M Llama
     python bench/ifb.py --models random --requests 32
@@ -45,9 +47,12 @@ def pct(values: list[float]) -> dict[str, float | None]:
     return {f"p{p}": float(np.percentile(values, p)) for p in (50, 90, 99)}
 
 
-def result(completed: int, tokens: int, wall: float, ttft: list[float], tpot: list[float]) -> dict[str, Any]:
+def result(
+    requests: int, completed: int, tokens: int, wall: float, ttft: list[float], tpot: list[float]
+) -> dict[str, Any]:
     return {
         "completed": completed,
+        "not_completed": requests - completed,
         "output_tokens": tokens,
         "wall_s": wall,
         "output_tok_s": tokens / wall,
@@ -92,7 +97,7 @@ def hf_continuous(model: Any, trace: list[TraceRequest]) -> dict[str, Any]:
     tokens = sum(len(o.generated_tokens) for o in done)
     ttft = [o.timestamps[0] - arrivals[o.request_id] for o in done if o.timestamps]
     tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in done if len(o.timestamps or []) > 1]
-    return result(len(done), tokens, wall, ttft, tpot)
+    return result(len(trace), len(done), tokens, wall, ttft, tpot)
 
 
 def hf_static(model: Any, trace: list[TraceRequest], batch: int) -> dict[str, Any]:
@@ -130,7 +135,7 @@ def hf_static(model: Any, trace: list[TraceRequest], batch: int) -> dict[str, An
                 tpot.append((steps[r.output_tokens - 1] - steps[0]) / (r.output_tokens - 1))
             completed += 1
     wall = time.monotonic() - start
-    return result(completed, tokens, wall, ttft, tpot)
+    return result(len(trace), completed, tokens, wall, ttft, tpot)
 
 
 def random_llama(path: Path) -> Path:
@@ -168,7 +173,7 @@ def run_model(name: str, hf: Path, work: Path, args: argparse.Namespace) -> list
     rows = []
     for label, fn in (
         ("trtbuild in-flight", lambda: replay(engine, trace)),
-        ("trtbuild static", lambda: replay(engine, trace, static=True)),
+        ("trtbuild static (batches run to completion)", lambda: replay(engine, trace, static=True)),
         ("transformers continuous", lambda: hf_continuous(model, trace)),
         ("transformers static", lambda: hf_static(model, trace, args.batch)),
     ):
@@ -179,10 +184,23 @@ def run_model(name: str, hf: Path, work: Path, args: argparse.Namespace) -> list
                 "model": name,
                 "runtime": label,
                 "length_scale": scale,
+                "engine_manifest_sha256": engine.spec.manifest_sha256,
                 **{
                     k: r[k]
-                    for k in ("completed", "output_tokens", "wall_s", "output_tok_s", "ttft_s", "tpot_s", "preemptions")
+                    for k in (
+                        "completed",
+                        "not_completed",
+                        "output_tokens",
+                        "wall_s",
+                        "output_tok_s",
+                        "ttft_s",
+                        "tpot_s",
+                        "preemptions",
+                    )
                 },
+                "failure_reasons": r.get("failure_reasons", {}),
+                "prefix_cache_hit_rate": r["prefix_cache"]["hit_rate"] if "prefix_cache" in r else None,
+                "settings": r.get("settings"),
             }
         )
     return rows
@@ -197,6 +215,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-num-tokens", type=int, default=256)
     ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--allow-failures", action="store_true", help="exit 0 even if requests did not complete")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -211,20 +230,36 @@ def main() -> None:
             rows += run_model(name, hf, work, args)
     if args.json:
         print(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
-        return
+    else:
+        table(args, rows)
+    failed = [r for r in rows if r["not_completed"]]
+    if failed and not args.allow_failures:
+        what = "; ".join(
+            f"{r['model']} {r['runtime']}: {r['not_completed']} {r['failure_reasons'] or ''}" for r in failed
+        )
+        print(f"error: requests did not complete ({what}); pass --allow-failures to accept", file=sys.stderr)
+        sys.exit(1)
+
+
+def table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(
         f"trace {args.trace.name}: first {args.requests} requests, rate x {args.rate_scale}; batch {args.batch}; greedy"
     )
-    print("| model | runtime | done | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | preemptions |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| model | runtime | done | not done | output tok/s | TTFT p50 / p90 ms | TPOT p50 / p90 ms | preemptions "
+        "| prefix-cache hits |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
 
     def ms(d: dict[str, float | None]) -> str:
         return " / ".join("-" if d[k] is None else f"{1e3 * d[k]:.0f}" for k in ("p50", "p90"))  # type: ignore[operator]
 
     for r in rows:
+        hits = "-" if r["prefix_cache_hit_rate"] is None else f"{100 * r['prefix_cache_hit_rate']:.1f} %"
         print(
-            f"| {r['model']} | {r['runtime']} | {r['completed']} | {r['output_tok_s']:.1f} | {ms(r['ttft_s'])} | "
-            f"{ms(r['tpot_s'])} | {'-' if r['preemptions'] is None else r['preemptions']} |"
+            f"| {r['model']} | {r['runtime']} | {r['completed']} | {r['not_completed']} | {r['output_tok_s']:.1f} | "
+            f"{ms(r['ttft_s'])} | {ms(r['tpot_s'])} | {'-' if r['preemptions'] is None else r['preemptions']} | "
+            f"{hits} |"
         )
 
 

@@ -18,8 +18,8 @@ class UserError(Exception):
 
 
 def read_utf8(path: Path) -> str:
-    """A user's text file (config, recipe, manifest, dataset); bytes that are not UTF-8 are a user error."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text (byte {e.start}); is this the right file?") from e
+    """A user's text file (dataset, prompts, keys) of any size; bytes that are not UTF-8, and paths that are not
+    regular files (a FIFO, /dev/zero), are user errors. Files of a bounded kind use files.read_text_capped."""
+    from toolchain.files import read_text_capped  # files.py imports UserError from here
+
+    return read_text_capped(path, None, "text")

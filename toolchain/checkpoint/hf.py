@@ -18,30 +18,22 @@ from typing import Any
 import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
-from toolchain.errors import UserError, read_utf8
+from toolchain.errors import UserError
+from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
+from toolchain.files import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported: build and quantize copy them
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Weight pickles by Hugging Face's naming; other pickles in a training dir (training_args.bin, optimizer.pt)
 # are not weights and are left alone.
 PICKLE_PATTERNS = ("pytorch_model*.bin",)
-# Files copied next to the converted weights so later stages (and TensorRT-LLM) find the tokenizer.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer.model",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "generation_config.json",
-)
+# TOKENIZER_FILES (toolchain/files.py): copied next to the converted weights so later stages (and TensorRT-LLM)
+# find the tokenizer.
 TOKENIZER_CORE = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_json(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads(read_utf8(path))
+        data = json.loads(read_text_capped(path, JSON_LIMIT, "JSON config"))
     except FileNotFoundError as e:
         raise UserError(f"{path} not found; a Hugging Face model dir needs its config.json") from e
     except json.JSONDecodeError as e:
@@ -113,6 +105,7 @@ class HFCheckpoint:
         return sorted(set(self.files.values()))
 
     def tokenizer_files(self) -> list[Path]:
+        check_present((self.root / n for n in TOKENIZER_FILES), TOKENIZER_LIMIT, "tokenizer")
         return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
 
     def has_tokenizer(self) -> bool:

@@ -25,10 +25,13 @@ import torch
 from toolchain import console
 from toolchain.engine.contract import CONTRACT_VERSION, KV_DTYPES, Batch
 from toolchain.errors import UserError
+from toolchain.files import JSON_LIMIT, check_tokenizer_dir, read_bytes_capped, read_text_capped
 
 BUILD_CONFIG = "build_config.json"
 MODEL_NAME = "model.onnx"
 MANIFEST_NAME = "manifest.json"
+INT32_MAX = (1 << 31) - 1  # the engine's shape and index inputs are int32 (contract.py)
+TOKENS_PER_BLOCK = (1, 2, 4, 8, 16, 32, 64, 128)  # what the attention plugin's kernels are compiled for
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,19 @@ class Limits:
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_num_tokens", "max_seq_len", "tokens_per_block", "num_blocks"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"limit {name} must be at least 1, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= INT32_MAX:
+                raise ValueError(f"limits.{name} is {value!r}; expected an integer from 1 to {INT32_MAX}")
+        if self.tokens_per_block not in TOKENS_PER_BLOCK:
+            raise ValueError(f"limits.tokens_per_block is {self.tokens_per_block}; expected a power of two up to 128")
+        if self.max_seq_len < 2:
+            raise ValueError(f"limits.max_seq_len is {self.max_seq_len}; a prompt and one new token need at least 2")
+        if (
+            isinstance(self.workspace_bytes, bool)
+            or not isinstance(self.workspace_bytes, int)
+            or self.workspace_bytes < 0
+        ):
+            raise ValueError(f"limits.workspace_bytes is {self.workspace_bytes!r}; expected a non-negative integer")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -111,13 +125,13 @@ class EngineSpec:
     @classmethod
     def from_dir(cls, engine_dir: Path) -> EngineSpec:
         path = engine_dir / BUILD_CONFIG
-        if not path.is_file():
+        try:
+            config: dict[str, Any] = json.loads(read_text_capped(path, JSON_LIMIT, "build config"))
+        except (FileNotFoundError, NotADirectoryError) as e:
             raise UserError(
                 f"{engine_dir} is not an engine directory (no {BUILD_CONFIG}); build one with `trtbuild build`"
-            )
-        try:
-            config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            ) from e
+        except json.JSONDecodeError as e:
             raise UserError(f"{path}: not valid JSON ({e}); rebuild the engine with `trtbuild build`") from e
         if not isinstance(config, dict) or config.get("contract_version") != CONTRACT_VERSION:
             found = config.get("contract_version") if isinstance(config, dict) else None
@@ -126,24 +140,34 @@ class EngineSpec:
             )
         try:
             return cls._parse(engine_dir, config)
-        except (KeyError, TypeError, ValueError) as e:
+        except KeyError as e:
+            raise UserError(f"{path}: key {e} is missing; rebuild the engine with `trtbuild build`") from e
+        except (TypeError, ValueError) as e:
             raise UserError(f"{path}: malformed build config ({e}); rebuild the engine with `trtbuild build`") from e
 
     @classmethod
     def _parse(cls, engine_dir: Path, config: dict[str, Any]) -> EngineSpec:
         lim = config["limits"]
-        limits = Limits(
-            max_batch_size=int(lim["max_batch_size"]),
-            max_num_tokens=int(lim["max_num_tokens"]),
-            max_seq_len=int(lim["max_seq_len"]),
-            tokens_per_block=int(lim["tokens_per_block"]),
-            num_blocks=int(lim["num_blocks"]),
-            workspace_bytes=int(lim.get("workspace_bytes", 4 << 30)),
+        if not isinstance(lim, dict):
+            raise ValueError(f"limits is {type(lim).__name__}; expected an object")
+        limits = Limits(  # Limits checks each is an integer in range, naming the key
+            max_batch_size=lim["max_batch_size"],
+            max_num_tokens=lim["max_num_tokens"],
+            max_seq_len=lim["max_seq_len"],
+            tokens_per_block=lim["tokens_per_block"],
+            num_blocks=lim["num_blocks"],
+            workspace_bytes=lim.get("workspace_bytes", 4 << 30),
         )
-        two, kv_heads, tpb, head_size = (int(d) for d in config["kv_cache"]["block_shape"])
+        shape = config["kv_cache"]["block_shape"]
+        if not isinstance(shape, list) or len(shape) != 4 or not all(_positive(d) for d in shape):
+            raise ValueError(f"kv_cache.block_shape is {shape!r}; expected 4 positive integers")
+        two, kv_heads, tpb, head_size = shape
         if two != 2 or tpb != limits.tokens_per_block:
-            raise ValueError(f"kv_cache.block_shape {config['kv_cache']['block_shape']} disagrees with the limits")
-        kv = KVCacheSpec(str(config["kv_cache"]["dtype"]), int(config["num_layers"]), kv_heads, tpb, head_size)
+            raise ValueError(f"kv_cache.block_shape {shape} disagrees with the limits")
+        for key in ("num_layers", "vocab_size"):
+            if not _positive(config[key]):
+                raise ValueError(f"{key} is {config[key]!r}; expected a positive integer")
+        kv = KVCacheSpec(str(config["kv_cache"]["dtype"]), config["num_layers"], kv_heads, tpb, head_size)
         manifest = engine_dir / MANIFEST_NAME
         return cls(
             engine_dir=engine_dir,
@@ -151,14 +175,25 @@ class EngineSpec:
             dtype=str(config["dtype"]),
             checkpoint_dtype=str(config.get("checkpoint_dtype", config["dtype"])),
             architecture=str(config["architecture"]),
-            vocab_size=int(config["vocab_size"]),
+            vocab_size=config["vocab_size"],
             limits=limits,
             kv_cache=kv,
             quantization=MappingProxyType(dict(config.get("quantization") or {})),
             compatibility=MappingProxyType(dict(config["compatibility"])) if config.get("compatibility") else None,
             onnxruntime=config.get("onnxruntime"),
-            manifest_sha256=hashlib.sha256(manifest.read_bytes()).hexdigest() if manifest.is_file() else None,
+            manifest_sha256=_sha256(manifest),
         )
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= INT32_MAX
+
+
+def _sha256(manifest: Path) -> str | None:
+    try:
+        return hashlib.sha256(read_bytes_capped(manifest, JSON_LIMIT, "manifest")).hexdigest()
+    except FileNotFoundError:
+        return None
 
 
 class Engine(Protocol):
@@ -225,6 +260,7 @@ def load_tokenizer(engine_dir: Path) -> Any:
         from transformers import AutoTokenizer
         from transformers.utils import logging as hf_logging
 
+        check_tokenizer_dir(engine_dir)
         hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # "no chat template" and the like are ours to report, not theirs
         return AutoTokenizer.from_pretrained(engine_dir)
     except (OSError, ValueError, KeyError) as e:

@@ -37,6 +37,9 @@ def tokenize(path: Path, tokenizer_dir: Path, max_tokens: int | None = None) -> 
     """Token ids of the whole file (1-D int64), cut to `max_tokens`."""
     from transformers import AutoTokenizer
 
+    from toolchain.files import check_tokenizer_dir
+
+    check_tokenizer_dir(tokenizer_dir)  # no FIFO or /dev/zero handed to transformers
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
     except (OSError, ValueError) as e:
