@@ -94,6 +94,55 @@ def _engine(directory: Path) -> dict[str, Any]:
     }
 
 
+def _eval(manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """An eval stage's verdict, per-gate results, key metrics and what was built, from its manifest."""
+    details = manifest.get("details") or {}
+    if manifest.get("stage") != "eval" or not isinstance(details.get("quality"), dict):
+        return None
+    gates = details.get("gates") or []
+    q = details["quality"]
+    return {
+        "verdict": ("PASS" if details.get("passed") else "REGRESSION") if gates else "no gates set",
+        "passed": details.get("passed"),
+        "gates": gates,
+        "metrics": {
+            "kld_mean": q.get("kld_mean"),
+            "same_top1": q.get("same_top1"),
+            "ppl_ratio": q.get("ppl_ratio"),
+            "tokens": q.get("tokens"),
+            "golden_exact": details.get("golden_exact"),
+            "golden_prompts": details.get("golden_prompts"),
+        },
+        "built": details.get("built"),
+    }
+
+
+def eval_lines(ev: dict[str, Any], indent: str = "") -> list[str]:
+    """`inspect`'s lines for an eval verdict: the verdict, the key metrics, then one line per gate."""
+    m = ev["metrics"]
+    golden = ""
+    if m.get("golden_exact") is not None:
+        golden = f", golden exact {100 * m['golden_exact']:.1f} %"
+        golden += f" of {m['golden_prompts']} prompts" if m.get("golden_prompts") else ""
+    lines = [
+        f"{indent}  eval          {ev['verdict']}: mean KLD {m['kld_mean']:.6g}, same top-1 "
+        f"{100 * m['same_top1']:.2f} %, PPL ratio {m['ppl_ratio']:.5f}{golden} ({m['tokens']:,} tokens)"
+    ]
+    lines += [
+        f"{indent}  gate          {g['gate']} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
+        for g in ev["gates"]
+    ]
+    if ev.get("built"):
+        from toolchain.evaluate.report import built_rows
+
+        rows = dict(built_rows(ev["built"]))
+        lines.append(
+            f"{indent}  built         {rows['method']}, KV cache {rows['KV cache']}, {rows['backend']}, engine "
+            f"manifest {(ev['built'].get('engine_manifest_sha256') or 'none')[:16]}"
+        )
+    return lines
+
+
 def describe(directory: Path) -> dict[str, Any]:
     if not directory.is_dir():
         raise UserError(f"{directory} is not a directory; pass a checkpoint or run output directory")
@@ -111,6 +160,12 @@ def describe(directory: Path) -> dict[str, Any]:
     if "kind" not in info and not (directory / MANIFEST_NAME).is_file():
         raise UserError(f"{directory}: neither {CONFIG_NAME} nor {MANIFEST_NAME}; not a trtbuild artifact")
     if (directory / MANIFEST_NAME).is_file():
-        info["manifest"] = _manifest_summary(read_manifest(directory))
+        manifest = read_manifest(directory)
+        info["manifest"] = _manifest_summary(manifest)
         info.setdefault("kind", info["manifest"]["stage"])
+        if (verdict := _eval(manifest)) is not None:
+            info["eval"] = verdict
+    evals = [child["eval"] for child in info.get("stages", {}).values() if "eval" in child]
+    if "eval" not in info and len(evals) == 1:  # a run dir: its report's verdict at the top
+        info["eval"] = evals[0]
     return info

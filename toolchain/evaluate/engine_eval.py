@@ -4,9 +4,7 @@ Hugging Face model in float32; greedy golden-prompt replay; gates that turn a re
 from __future__ import annotations
 
 import inspect
-import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +15,12 @@ from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
 from toolchain.engine.api import Engine
 from toolchain.engine.contract import Batch
-from toolchain.errors import UserError, read_utf8
+from toolchain.errors import UserError
+from toolchain.evaluate.golden import TokenBytes, compare, read_golden
 from toolchain.evaluate.quality import QualityReport, collect, summarize
 from toolchain.evaluate.report import write_reports
 from toolchain.evaluate.text import tokenize
-from toolchain.manifest import StageRecord
+from toolchain.manifest import MANIFEST_NAME, StageRecord, environment, read_manifest, sha256_file
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
 
@@ -109,32 +108,6 @@ class Reference:
         return generated
 
 
-@dataclass(frozen=True)
-class GoldenPrompt:
-    prompt: str
-    max_new_tokens: int
-
-
-def read_golden(path: Path) -> list[GoldenPrompt]:
-    prompts = []
-    for number, line in enumerate(read_utf8(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f'{path}:{number}: not JSON ({e.msg}); one {{"prompt": ...}} object per line') from e
-        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str):
-            raise UserError(f'{path}:{number}: expected {{"prompt": "...", "max_new_tokens": N}}')
-        n = item.get("max_new_tokens", 32)
-        if not isinstance(n, int) or n < 1:
-            raise UserError(f"{path}:{number}: max_new_tokens must be a positive integer, got {n!r}")
-        prompts.append(GoldenPrompt(item["prompt"], n))
-    if not prompts:
-        raise UserError(f"{path}: no prompts")
-    return prompts
-
-
 def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
     results = []
     for gate, limit in gates.items():
@@ -170,23 +143,16 @@ def evaluate_engine(
     if golden is not None:
         from transformers import AutoTokenizer
 
+        from toolchain.files import check_tokenizer_dir
+
+        check_tokenizer_dir(engine_dir)  # no FIFO or /dev/zero handed to transformers
         tok = AutoTokenizer.from_pretrained(engine_dir)
-        items = read_golden(golden)
+        items, token_bytes = read_golden(golden), TokenBytes(tok)
         prompts = [tok(item.prompt, add_special_tokens=True)["input_ids"] for item in items]
         served = session.greedy(prompts, [item.max_new_tokens for item in items])
         for item, ids, got in zip(items, prompts, served, strict=True):
             want = reference.greedy(ids, item.max_new_tokens)
-            diverge = next((k for k, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
-            golden_results.append(
-                {
-                    "prompt": item.prompt,
-                    "engine": tok.decode(got),
-                    "reference": tok.decode(want),
-                    "exact": diverge is None,
-                    "first_divergence": diverge,
-                    "tokens": item.max_new_tokens,
-                }
-            )
+            golden_results.append(compare(token_bytes, item.prompt, ids, got, want))
     golden_exact = sum(g["exact"] for g in golden_results) / len(golden_results) if golden_results else None
     metrics: dict[str, float | None] = {**report.to_dict(), "golden_exact": golden_exact}
     gate_results = check_gates(gates, metrics)
@@ -197,11 +163,55 @@ def evaluate_engine(
         "window": window,
         "quality": report.to_dict(),
         "golden_exact": golden_exact,
+        "golden_prompts": len(golden_results),
         "golden": golden_results,
         "gates": gate_results,
         "passed": all(g["pass"] for g in gate_results),
         "kld_histogram": _histogram(stats["kld"].reshape(-1)),
         "top1_by_position": stats["top1"].mean(0).tolist(),
+    }
+
+
+GROUPWISE = ("W4A16", "W4A16_AWQ")  # quant_algos whose weight scales are per group (the others: per channel/tensor)
+
+
+def built(engine_dir: Path) -> dict[str, Any]:
+    """What the engine is, from its build_config.json and manifest: method, group size, KV cache dtype, backend,
+    the manifest's sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
+    from toolchain.engine.build import read_build_config
+
+    config = read_build_config(engine_dir)
+    algo = config["quantization"].get("quant_algo")
+    compat = config.get("compatibility") or {}
+    has_manifest = (engine_dir / MANIFEST_NAME).is_file()
+    tool = read_manifest(engine_dir).get("toolchain", {}) if has_manifest else {}
+    return {
+        "method": algo,  # None: unquantized
+        "group_size": config["quantization"].get("group_size") if algo in GROUPWISE else None,
+        "kv_cache": config["kv_cache"]["dtype"],
+        "dtype": config["dtype"],
+        "backend": config["backend"],
+        "engine_manifest_sha256": sha256_file(engine_dir / MANIFEST_NAME) if has_manifest else None,
+        "trtbuild_version": tool.get("version"),
+        "git_commit": tool.get("git_commit"),
+        "git_dirty": tool.get("git_dirty"),
+        "tensorrt": compat.get("tensorrt"),
+        "gpu": compat.get("gpu"),
+        "sm": compat.get("sm"),
+        "onnxruntime": config.get("onnxruntime"),
+    }
+
+
+def evaluated_with(backend: str) -> dict[str, Any]:
+    """The backend the logits came from, and the trtbuild, TensorRT and GPU of this machine."""
+    env = environment()
+    return {
+        "backend": backend,
+        "trtbuild_version": env["toolchain"]["version"],
+        "git_commit": env["toolchain"]["git_commit"],
+        "git_dirty": env["toolchain"]["git_dirty"],
+        "tensorrt": env["packages"].get("tensorrt"),
+        "gpu": env["gpu"]["name"],
     }
 
 
@@ -230,7 +240,7 @@ def run_eval(
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
     from toolchain.engine.api import BUILD_CONFIG, EngineSpec, open_engine
 
-    EngineSpec.from_dir(engine_dir)  # a readable engine dir, before any work
+    spec = EngineSpec.from_dir(engine_dir)  # a readable engine dir, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
@@ -244,6 +254,9 @@ def run_eval(
     if golden is not None:
         from transformers import AutoTokenizer
 
+        from toolchain.files import check_tokenizer_dir
+
+        check_tokenizer_dir(engine_dir)  # no FIFO or /dev/zero handed to transformers
         tok = AutoTokenizer.from_pretrained(engine_dir)
         for item in read_golden(golden):
             if not tok(item.prompt, add_special_tokens=True)["input_ids"]:
@@ -251,11 +264,17 @@ def run_eval(
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = open_engine(engine_dir, backend)
     result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+    result.update(built=built(engine_dir), evaluated_with=evaluated_with(backend or spec.backend))
     if engine_label is not None:
         result["engine_dir"] = str(engine_label)
     record = record or StageRecord("eval")
     record.details.update(
-        quality=result["quality"], golden_exact=result["golden_exact"], gates=result["gates"], passed=result["passed"]
+        quality=result["quality"],
+        golden_exact=result["golden_exact"],
+        golden_prompts=result["golden_prompts"],
+        gates=result["gates"],
+        passed=result["passed"],
+        built=result["built"],
     )
     with atomic_dir(out_dir, force, inputs=(engine_dir, reference_dir)) as tmp:
         record.add_inputs(engine_dir, [engine_dir / BUILD_CONFIG, engine_dir / "model.onnx"])

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from pathlib import Path
 from typing import Any
 
+from toolchain.evaluate.golden import LEGEND, readable
 from toolchain.evaluate.quality import QualityReport
 
 
@@ -25,11 +27,79 @@ def _verdict(result: dict[str, Any]) -> str:
     return "PASS" if result["passed"] else "REGRESSION"
 
 
+def summary_lines(s: dict[str, Any]) -> list[str]:
+    """The terminal summary of `eval` and `run`: metrics, then the golden exact-match rate beside the gates.
+    `s` is a result, a recipe run's eval summary or an eval manifest's details."""
+    lines = QualityReport(**s["quality"]).lines()
+    if s.get("golden_exact") is not None:
+        count = s.get("golden_prompts") or len(s.get("golden", []))
+        lines.append(f"golden exact       {100 * s['golden_exact']:.1f} % of {count} prompts")
+    lines += [
+        f"gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
+        for g in s["gates"]
+    ]
+    return lines
+
+
+def built_rows(built: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """What was built, as (label, value) rows: the report's header and `inspect`."""
+    if not built:
+        return []
+    method = built["method"] or "unquantized"
+    if built.get("group_size"):
+        method += f", group size {built['group_size']}"
+    backend = built["backend"]
+    if built.get("tensorrt") or built.get("gpu"):
+        backend += (
+            f" (TensorRT {built.get('tensorrt') or '-'}, {built.get('gpu') or 'no GPU'}, SM {built.get('sm') or '-'})"
+        )
+    elif built.get("onnxruntime"):
+        backend += f" (onnxruntime {built['onnxruntime']}, CPU)"
+    tool = built.get("trtbuild_version") or "unknown"
+    if built.get("git_commit"):
+        tool += f", commit {built['git_commit'][:12]}{' (uncommitted changes)' if built.get('git_dirty') else ''}"
+    return [
+        ("method", method),
+        ("KV cache", built["kv_cache"]),
+        ("dtype", built["dtype"]),
+        ("backend", backend),
+        ("engine manifest sha256", built.get("engine_manifest_sha256") or "none (the engine has no manifest)"),
+        ("built by trtbuild", tool),
+    ]
+
+
+def _evaluated_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    ev = result.get("evaluated_with")
+    if not ev:
+        return []
+    tool = ev["trtbuild_version"] + (f", commit {ev['git_commit'][:12]}" if ev.get("git_commit") else "")
+    where = f"{ev['backend']} backend" + (f", TensorRT {ev['tensorrt']}" if ev.get("tensorrt") else "")
+    return [("evaluated with", f"{where}, GPU {ev.get('gpu') or 'none'}, trtbuild {tool}")]
+
+
+def _md_code(text: str) -> str:
+    """`text` as a markdown code span whatever backticks it holds."""
+    if not text:
+        return "(empty)"
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _md_ids(ids: list[int], mark: int | None) -> str:
+    return " ".join(f"**{t}**" if k == mark else str(t) for k, t in enumerate(ids))
+
+
 def markdown(result: dict[str, Any]) -> str:
     q = QualityReport(**result["quality"])
     lines = [
         f"# Quality report: {_verdict(result)}",
         "",
+    ]
+    rows = built_rows(result.get("built")) + _evaluated_rows(result)
+    if rows:
+        lines += ["| built | |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), ""]
+    lines += [
         f"Engine `{result['engine_dir']}` against `{result['reference']}` (transformers, float32) on "
         f"`{result['data']}`: {q.tokens:,} tokens in {q.windows} windows of {result['window']}.",
         "",
@@ -55,13 +125,26 @@ def markdown(result: dict[str, Any]) -> str:
     diverged = [g for g in result["golden"] if not g["exact"]]
     if diverged:
         lines += ["", "## Golden prompts that diverged", ""]
+        legend = "; ".join(f"{_md_code(escape)} {meaning}" for escape, meaning in LEGEND)
+        lines += [f"Text rendered from the tokens' bytes: {legend}. The first differing token id is in bold.", ""]
         for g in diverged:
-            lines += [
-                f"- `{g['prompt']}` — first divergence at token {g['first_divergence']}",
-                f"  - engine: `{g['engine']}`",
-                f"  - reference: `{g['reference']}`",
-            ]
+            lines += _md_divergence(g)
     return "\n".join(lines) + "\n"
+
+
+def _md_divergence(g: dict[str, Any]) -> list[str]:
+    k = g["first_divergence"]
+    head = f"- prompt {_md_code(readable(g['prompt'].encode()))}: first divergence at token {k} of {g['tokens']}"
+    if "engine_ids" not in g:  # a report.json from before token ids were kept
+        return [head, f"  - engine: {_md_code(g['engine'])}", f"  - reference: {_md_code(g['reference'])}"]
+    return [
+        f"{head}, engine {g['engine_ids'][k]} {_md_code(g['engine_tokens'][k])} vs reference "
+        f"{g['reference_ids'][k]} {_md_code(g['reference_tokens'][k])}",
+        f"  - engine: {_md_code(g['engine'])}",
+        f"  - engine ids: {_md_ids(g['engine_ids'], k)}",
+        f"  - reference: {_md_code(g['reference'])}",
+        f"  - reference ids: {_md_ids(g['reference_ids'], k)}",
+    ]
 
 
 def _svg_bars(counts: list[float], labels: list[str], title: str, width: int = 640, height: int = 220) -> str:
@@ -80,6 +163,7 @@ def _svg_bars(counts: list[float], labels: list[str], title: str, width: int = 6
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{title}">'
         f'<text x="{pad}" y="18" font-size="13" font-weight="bold">{html.escape(title)}</text>'
         f'<text x="4" y="{pad}" font-size="9">{int(top)}</text>'
+        f'<text x="4" y="{height - pad}" font-size="9">0</text>'
         f'<line x1="{pad}" y1="{height - pad}" x2="{width - 20}" y2="{height - pad}" stroke="#333"/>'
         + "".join(bars)
         + ticks
@@ -88,18 +172,15 @@ def _svg_bars(counts: list[float], labels: list[str], title: str, width: int = 6
 
 
 def _svg_line(values: list[float], title: str, width: int = 640, height: int = 220) -> str:
+    """A fraction by position, on a y-axis from 0 % to 100 % (a zoomed axis makes 99 % look like a cliff)."""
     pad = 40
-    low = min(min(values, default=0.0), 0.9)
-    span = max(1.0 - low, 1e-9)
     step = (width - 60) / max(len(values) - 1, 1)
-    points = " ".join(
-        f"{pad + k * step:.1f},{height - pad - (height - 2 * pad) * (v - low) / span:.1f}" for k, v in enumerate(values)
-    )
+    points = " ".join(f"{pad + k * step:.1f},{height - pad - (height - 2 * pad) * v:.1f}" for k, v in enumerate(values))
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" aria-label="{title}">'
         f'<text x="{pad}" y="18" font-size="13" font-weight="bold">{html.escape(title)}</text>'
         f'<text x="4" y="{pad}" font-size="9">100%</text>'
-        f'<text x="4" y="{height - pad}" font-size="9">{100 * low:.0f}%</text>'
+        f'<text x="4" y="{height - pad}" font-size="9">0%</text>'
         f'<line x1="{pad}" y1="{height - pad}" x2="{width - 20}" y2="{height - pad}" stroke="#333"/>'
         f'<polyline points="{points}" fill="none" stroke="#d0574a" stroke-width="1.5"/>'
         f'<text x="{pad}" y="{height - pad + 14}" font-size="9">position 1</text>'
@@ -120,7 +201,6 @@ def page(result: dict[str, Any]) -> str:
     )
     hist = result["kld_histogram"]
     labels = [f"{e:.1e}" for e in hist["edges"][:-1]]
-    golden = "".join(_golden_row(g) for g in result["golden"])
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>trtbuild quality report: {verdict}</title>
 <style>
@@ -129,8 +209,10 @@ table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px soli
 table.num td:nth-child(n+2) {{ text-align: right; font-variant-numeric: tabular-nums; }}
 .verdict {{ color: white; background: {color}; padding: 2px 10px; border-radius: 4px; }}
 code, .tok {{ font-family: ui-monospace, monospace; }} .diff {{ background: #fde2e1; }}
+.ids {{ font-size: 80%; color: #555; }} mark {{ background: #f7c948; }} table.built th {{ text-align: left; }}
 </style></head><body>
 <h1>Quality report <span class="verdict">{verdict}</span></h1>
+{_built_table(result)}
 <p>Engine <code>{html.escape(result["engine_dir"])}</code> against <code>{html.escape(result["reference"])}</code>
 (transformers, float32) on <code>{html.escape(result["data"])}</code>: {q.tokens:,} tokens in {q.windows} windows of
 {result["window"]}.</p>
@@ -139,7 +221,7 @@ code, .tok {{ font-family: ui-monospace, monospace; }} .diff {{ background: #fde
 <h2>Plots</h2>
 {_svg_bars(hist["counts"], labels, "KLD per token (log10 bins)")}
 {_svg_line(result["top1_by_position"], "Same top-1 by position in the window")}
-{_table("Golden prompts", ["prompt", "engine", "reference", "first divergence"], golden)}
+{_golden_section(result)}
 </body></html>
 """
 
@@ -167,10 +249,44 @@ def _metric_rows(q: QualityReport, result: dict[str, Any]) -> list[tuple[str, st
     return rows
 
 
+def _built_table(result: dict[str, Any]) -> str:
+    rows = built_rows(result.get("built")) + _evaluated_rows(result)
+    cells = "".join(f"<tr><th>{html.escape(k)}</th><td><code>{html.escape(v)}</code></td></tr>" for k, v in rows)
+    return f"<table class='built'>{cells}</table>" if cells else ""
+
+
+def _golden_section(result: dict[str, Any]) -> str:
+    rows = "".join(_golden_row(g) for g in result["golden"])
+    if not rows:
+        return ""
+    legend = "; ".join(f"<code>{html.escape(escape)}</code> {html.escape(meaning)}" for escape, meaning in LEGEND)
+    note = (
+        f"<p>Text rendered from the tokens' bytes: {legend}. Token ids below each continuation: the first that "
+        "differs is marked; hover an id for its token.</p>"
+    )
+    return _table("Golden prompts", ["prompt", "engine", "reference", "first divergence"], rows) + note
+
+
+def _html_continuation(g: dict[str, Any], side: str) -> str:
+    text = f"<div>{html.escape(g[side])}</div>"
+    if f"{side}_ids" not in g:  # a report.json from before token ids were kept
+        return text
+    ids = " ".join(
+        f"<{'mark' if k == g['first_divergence'] else 'span'} title='{html.escape(piece, quote=True)}'>{t}"
+        f"</{'mark' if k == g['first_divergence'] else 'span'}>"
+        for k, (t, piece) in enumerate(zip(g[f"{side}_ids"], g[f"{side}_tokens"], strict=True))
+    )
+    return f"{text}<div class='ids'>{ids}</div>"
+
+
 def _golden_row(g: dict[str, Any]) -> str:
     mark = "" if g["exact"] else " class='diff'"
-    where = "—" if g["first_divergence"] is None else f"token {g['first_divergence']}"
+    k = g["first_divergence"]
+    where = "—" if k is None else f"token {k} of {g['tokens']}"
+    if k is not None and "engine_ids" in g:
+        where += f": {g['engine_ids'][k]} vs {g['reference_ids'][k]}"
+    prompt = html.escape(readable(g["prompt"].encode()))
     return (
-        f"<tr{mark}><td class='tok'>{html.escape(g['prompt'])}</td><td class='tok'>{html.escape(g['engine'])}</td>"
-        f"<td class='tok'>{html.escape(g['reference'])}</td><td>{where}</td></tr>"
+        f"<tr{mark}><td class='tok'>{prompt}</td><td class='tok'>{_html_continuation(g, 'engine')}</td>"
+        f"<td class='tok'>{_html_continuation(g, 'reference')}</td><td>{where}</td></tr>"
     )
