@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ import yaml
 from conftest import one_line_error
 from safetensors.torch import load_file
 
-from toolchain.recipe import load_recipe
+from toolchain.errors import UserError
+from toolchain.recipe import RecipeLoader, load_recipe
 
 
 def write_recipe(path: Path, text: str) -> Path:
@@ -31,7 +33,9 @@ def test_run_converts_with_relative_paths_and_records_recipe(cli: Any, make_llam
     assert summary["output_dir"] == str(out)
     resolved = yaml.safe_load((out / "recipe.yaml").read_text())
     assert resolved["model"]["path"] == str(hf)
-    sha = hashlib.sha256(json.dumps(resolved, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    # the sha256 is of the recipe with its paths as written, relative to the recipe file: not of where it lives
+    written = {**resolved, "model": {**resolved["model"], "path": f"../{hf.name}"}, "output": "../out"}
+    sha = hashlib.sha256(json.dumps(written, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     for manifest_path in (out / "manifest.json", out / "checkpoint" / "manifest.json"):
         manifest = json.loads(manifest_path.read_text())
         assert manifest["recipe"] == resolved and manifest["recipe_sha256"] == sha == summary["recipe_sha256"]
@@ -94,9 +98,55 @@ def test_schema_is_json_schema_of_the_recipe(cli: Any) -> None:
     result = cli("recipe", "schema")
     assert result.exit_code == 0
     schema = json.loads(result.stdout)
+    assert schema["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    assert schema["$id"] == "urn:trtbuild:recipe:v1"
     assert schema["additionalProperties"] is False
     assert {"model", "quantize", "build", "eval"} <= set(schema["properties"])
     assert "model" in schema["required"]
+    refs = set(re.findall(r'"\$ref": "#/\$defs/(\w+)"', result.stdout))  # draft 2020-12 keeps them in $defs
+    assert refs and refs <= set(schema["$defs"])
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("1e-9", 1e-9),
+        ("1e-2", 0.01),
+        ("5e3", 5000.0),
+        ("-1E-4", -1e-4),
+        ("+2.5e+1", 25.0),
+        ("-.5", -0.5),
+        ("0.5", 0.5),
+        ("1_000.5", 1000.5),
+        (".inf", float("inf")),
+        ("3", 3),
+        ("0x10", 16),
+        ('"1e-9"', "1e-9"),
+        ("'5e3'", "5e3"),
+        ("1e", "1e"),
+        ("e5", "e5"),
+        ("1.2.3", "1.2.3"),
+    ],
+)
+def test_yaml_numbers_follow_yaml_1_2(text: str, value: object) -> None:
+    loaded = yaml.load(f"x: {text}", Loader=RecipeLoader)["x"]
+    assert loaded == value and type(loaded) is type(value)
+
+
+def test_exponent_floats_in_files_and_set_and_quoted_strings(tmp_path: Path) -> None:
+    text = "name: \"1e-9\"\ndescription: '5e3'\nmodel:\n  path: m\nquantize:\n  method: w8a8_sq\n  sq_alpha: 5e-1\n"
+    text += "build:\neval:\n  data: d.txt\n  gates:\n    kld_mean_max: 1e-2\n    top1_min: 9.5E-1\n"
+    recipe = write_recipe(tmp_path / "r.yaml", text)
+    loaded = load_recipe(recipe).recipe
+    assert loaded.name == "1e-9" and loaded.description == "5e3"  # quoted: strings, as written
+    assert loaded.quantize is not None and loaded.quantize.sq_alpha == 0.5
+    assert loaded.eval is not None and loaded.eval.gates.kld_mean_max == 0.01 and loaded.eval.gates.top1_min == 0.95
+    overridden = load_recipe(recipe, ["eval.gates.kld_mean_max=1e-9", "name='5e3'", "eval.gates.ppl_ratio_max=5e0"])
+    gates = overridden.recipe.eval.gates if overridden.recipe.eval else None
+    assert gates is not None and gates.kld_mean_max == 1e-9 and gates.ppl_ratio_max == 5.0
+    assert overridden.recipe.name == "5e3"
+    with pytest.raises(UserError, match=r"--set eval.gates.kld_mean_max: .*greater than or equal to 0.*-0.0001"):
+        load_recipe(recipe, ["eval.gates.kld_mean_max=-1E-4"])
 
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))

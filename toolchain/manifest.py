@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from toolchain import __version__
-from toolchain.errors import UserError, read_utf8
+from toolchain.errors import UserError
+from toolchain.files import JSON_LIMIT, read_text_capped
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -145,6 +146,9 @@ class StageRecord:
     details: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     known_sha256: dict[Path, str] = field(default_factory=dict)  # outputs hashed while they were written
+    # The run directory (still under its temporary name) this stage is written into: inputs inside it are recorded
+    # by their path in it, from a root relative to the stage's own directory, so they name where they will be.
+    run_dir: Path | None = None
     _pending: list[Future[dict[str, Any]]] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -166,7 +170,7 @@ class StageRecord:
             future.cancel()
 
     def write(self, out_dir: Path) -> dict[str, Any]:
-        self.inputs += [future.result() for future in self._pending]
+        self.inputs += [self._within_run(future.result(), out_dir) for future in self._pending]
         self._pending.clear()
         outputs = [
             file_entry(p, out_dir, self.known_sha256.get(p.resolve()))
@@ -191,6 +195,17 @@ class StageRecord:
         (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         return manifest
 
+    def _within_run(self, entry: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+        """An input inside the run dir as {root: the run dir relative to `out_dir`, path: its path in the run}.
+        `out_dir` is a temporary sibling of the stage's final dir, so the relative root holds after the rename."""
+        if self.run_dir is None:
+            return entry
+        run, source = self.run_dir.absolute(), Path(entry["root"]) / entry["path"]
+        if run not in source.parents:
+            return entry
+        root = os.path.relpath(run, out_dir.absolute())
+        return {**entry, "root": Path(root).as_posix(), "path": source.relative_to(run).as_posix()}
+
 
 def _input_entry(path: Path, root: Path, stop: threading.Event) -> dict[str, Any]:
     entry = {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size}
@@ -202,7 +217,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"{path} not found; {directory} is not a trtbuild artifact (or was not finished)")
     try:
-        data = json.loads(read_utf8(path))
+        data = json.loads(read_text_capped(path, JSON_LIMIT, "manifest"))
     except json.JSONDecodeError as e:
         raise UserError(f"{path}: not a valid JSON manifest ({e})") from e
     if not isinstance(data, dict) or data.get("schema_version") != SCHEMA_VERSION:
@@ -243,8 +258,21 @@ def verify(directory: Path, check_inputs: bool = False) -> list[str]:
         if p.is_file() and p.relative_to(directory).as_posix() not in listed
     ]
     if check_inputs:
-        for entry in manifest["inputs"]:
-            problems += _check_files(Path(str(entry.get("root", ""))), [entry], label="input ")
+        problems += _check_inputs(directory, manifest["inputs"])
+        for entry in manifest["outputs"]:  # the stages of a run dir, each with its own manifest and inputs
+            nested = directory / entry["path"]
+            if nested.name == MANIFEST_NAME and nested.parent != directory and is_artifact(nested.parent):
+                problems += _check_inputs(nested.parent, read_manifest(nested.parent)["inputs"])
+    return problems
+
+
+def _check_inputs(directory: Path, entries: list[dict[str, Any]]) -> list[str]:
+    """A relative root (an input in the same run dir) is relative to the manifest's own directory."""
+    problems = []
+    for entry in entries:
+        root = Path(str(entry.get("root", "")))
+        root = root if root.is_absolute() else Path(os.path.normpath(directory / root))
+        problems += _check_files(root, [entry], label="input ")
     return problems
 
 

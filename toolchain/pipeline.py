@@ -25,6 +25,8 @@ from typing import Any
 from toolchain import __version__, console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import convert
+from toolchain.diff import GATES as DIFF_GATES
+from toolchain.diff import baseline_settings, baseline_stage
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
 from toolchain.evaluate.engine_eval import run_eval
@@ -37,22 +39,28 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _files(*paths: Path | None) -> dict[str, str]:
-    """Content hashes of input files (every file of a directory, not recursing)."""
-    out: dict[str, str] = {}
+def _files(*paths: Path | None) -> list[dict[str, str] | None]:
+    """Content hashes of input files (every file of a directory, not recursing), one mapping per path, keyed by
+    file name: where the inputs live is no part of a cache key, what they hold and what they are called is."""
+    out: list[dict[str, str] | None] = []
     for path in paths:
         if path is None:
+            out.append(None)
             continue
         files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-        out.update({str(f): sha256_file(f) for f in files if f.exists()})
+        out.append({f.name: sha256_file(f) for f in files if f.exists()})
     return out
 
 
 def _code_digest() -> str:
     """trtbuild's own code (Python and CUDA sources): a stage made by other code is not reused."""
-    root = Path(__file__).resolve().parent
-    files = sorted([*root.rglob("*.py"), *root.parent.glob("plugins/*.cu")])
-    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+    root = Path(__file__).resolve().parent.parent
+    files = sorted([*root.glob("toolchain/**/*.py"), *root.glob("plugins/*.cu")])
+    digest = hashlib.sha256()
+    for f in files:
+        digest.update(f"{f.relative_to(root).as_posix()}\0{f.stat().st_size}\0".encode())
+        digest.update(f.read_bytes())
+    return digest.hexdigest()
 
 
 def _stage_keys(recipe: Recipe) -> dict[str, str]:
@@ -77,12 +85,26 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         upstream = keys["build"]
     if recipe.eval is not None:
         e = recipe.eval
-        settings = e.model_dump(mode="json", exclude={"data", "golden"})
+        own: dict[str, Any] = {"data": True, "golden": True, "baseline": True, "gates": set(DIFF_GATES)}  # diff's
+        settings = e.model_dump(mode="json", exclude=own)
         keys["eval"] = _digest(upstream, settings, _files(e.data, e.golden))
+        diff_settings = baseline_settings(e)  # the diff against the released engine: by its manifest, not its path
+        if diff_settings is not None:
+            keys["diff"] = _digest(upstream, diff_settings, _files(e.data, e.golden))
     return keys
 
 
-STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report"}
+STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report", "diff": "diff"}
+
+
+def default_report_dir(engine_dir: Path) -> Path:
+    """Where `trtbuild eval` writes without -o: ENGINE-report beside the engine, or, for the engine of a run dir,
+    RUN-engine-report beside the run dir (a report inside a run dir would make `verify` of it fail)."""
+    engine = engine_dir.resolve()
+    parent = engine.parent
+    if is_artifact(parent) and read_manifest(parent)["stage"] == "run":
+        return parent.with_name(f"{parent.name}-{engine.name}-report")
+    return engine.with_name(f"{engine.name}-report")
 
 
 def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, Any] | None:
@@ -125,20 +147,21 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
     previous = out if previous_run and not force else None
     keys = _stage_keys(recipe)
 
-    def record(stage: str) -> StageRecord:
-        r = StageRecord(stage, recipe=resolved, recipe_sha256=sha)
+    def record(stage: str, tmp: Path) -> StageRecord:
+        r = StageRecord(stage, recipe=resolved, recipe_sha256=sha, run_dir=tmp)
         r.details["cache_key"] = keys.get(stage)
         return r
 
     stages: dict[str, dict[str, Any]] = {}
-    run = record("run")
     with atomic_dir(out, force or previous_run, inputs=(recipe.model.path,)) as tmp:
+        run = record("run", tmp)
         (tmp / "recipe.yaml").write_text(loaded.to_yaml())
         runners: dict[str, Callable[[StageRecord], dict[str, Any]]] = {
             "convert": lambda r: _convert(recipe, tmp, r),
             "quantize": lambda r: _quantize(recipe, tmp, r),
             "build": lambda r: _build(recipe, tmp, r),
             "eval": lambda r: _eval(recipe, tmp, out, r),
+            "diff": lambda r: baseline_stage(recipe.eval, tmp / "engine", tmp / "diff", r, out.resolve() / "engine"),
         }
         for stage, key in keys.items():
             cached = _reuse(previous, stage, key, tmp)
@@ -146,18 +169,20 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
                 console.info(f"{stage}: unchanged (cache key {key[:12]}), reused")
                 stages[stage] = cached
                 continue
-            stage_record = record(stage)
-            result = runners[stage](stage_record)
-            stages[stage] = {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
+            result = runners[stage](record(stage, tmp))
+            summary = {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
+            stages[stage] = _final_paths(summary, tmp, out.resolve())
             _store_summary(tmp / STAGE_DIRS[stage], stages[stage])
         ran = [s for s, r in stages.items() if not r.get("cached")]
         if not ran:
             console.info("nothing to do: every stage is unchanged")
         run.add_inputs(loaded.path.parent, [loaded.path])
         run.details.update(stages=list(stages), rerun=ran, recipe_file=str(loaded.path))
+        if "diff" in stages:
+            run.details["baseline_manifest_sha256"] = stages["diff"]["baseline_manifest_sha256"]
         run.warnings += stages["convert"].get("warnings", [])
         manifest = run.write(tmp)
-    passed = stages.get("eval", {}).get("passed", True)
+    passed = all(stages.get(stage, {}).get("passed", True) for stage in ("eval", "diff"))
     return {
         "output_dir": str(out.resolve()),
         "recipe": str(loaded.path),
@@ -169,6 +194,17 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
         "warnings": run.warnings,
         "wall_time_s": manifest["wall_time_s"],
     }
+
+
+def _final_paths(value: Any, tmp: Path, out: Path) -> Any:
+    """`value` with every path under the temporary run dir named by where it is after the rename."""
+    if isinstance(value, dict):
+        return {k: _final_paths(v, tmp, out) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_final_paths(v, tmp, out) for v in value]
+    if isinstance(value, str) and (value == str(tmp) or value.startswith(f"{tmp}{os.sep}")):
+        return str(out) + value[len(str(tmp)) :]
+    return value
 
 
 def _store_summary(stage_dir: Path, summary: dict[str, Any]) -> None:
@@ -222,7 +258,7 @@ def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
 def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str, Any]:
     e = recipe.eval
     assert e is not None
-    gates = {k: v for k, v in e.gates.model_dump().items() if v is not None}
+    gates = {k: v for k, v in e.gates.model_dump().items() if v is not None and k not in DIFF_GATES}
     result = run_eval(
         tmp / "engine",
         tmp / "report",

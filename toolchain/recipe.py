@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -25,13 +27,43 @@ from pydantic import (
     model_validator,
 )
 
-from toolchain.errors import UserError, read_utf8
+from toolchain.errors import UserError
+from toolchain.files import RECIPE_LIMIT, read_text_capped
+
+_FLOAT_TAG = "tag:yaml.org,2002:float"
+# YAML 1.2's float forms (an exponent needs no dot and no sign: 1e-9, 5e3, -1E-4; a sign before a bare fraction:
+# -.5), plus what PyYAML's YAML 1.1 resolver already read as floats (underscores, 1:30.5), so that no recipe that
+# loaded before changes meaning. Integers (no dot, no exponent) are left to the int resolver.
+_FLOAT = re.compile(
+    r"""^(?:[-+]?[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+
+    |[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+\.[0-9_]*
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.VERBOSE,
+)
+
+
+class RecipeLoader(yaml.SafeLoader):
+    """PyYAML's SafeLoader with YAML 1.2 floats: PyYAML implements YAML 1.1, which reads `1e-9` and `5e3` as
+    strings. Quoted scalars are never resolved, so `"1e-9"` stays a string."""
+
+
+RecipeLoader.yaml_implicit_resolvers = {  # SafeLoader's, less its YAML 1.1 float resolver
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != _FLOAT_TAG]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+_S = TypeVar("_S", bound=_Section)
 
 
 class ModelSection(_Section):
@@ -92,6 +124,11 @@ class GatesSection(_Section):
     top1_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest acceptable same-top-1 fraction")
     ppl_ratio_max: StrictFloat | None = Field(None, ge=0, description="Largest acceptable PPL(engine)/PPL(reference)")
     golden_exact_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest golden exact-match rate")
+    # against eval.baseline (`trtbuild diff BASELINE ENGINE`): NEW is this run's engine, OLD the baseline
+    kld_vs_old_max: StrictFloat | None = Field(None, ge=0, description="Largest mean KLD of the engine vs the baseline")
+    top1_vs_old_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest same-top-1 vs the baseline")
+    ppl_ratio_vs_old_max: StrictFloat | None = Field(None, ge=0, description="Largest PPL(engine)/PPL(baseline)")
+    golden_same_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest share of golden outputs kept")
 
 
 class EvalSection(_Section):
@@ -100,6 +137,9 @@ class EvalSection(_Section):
     data: Path = Field(description="Evaluation text (.txt / .jsonl); relative to the recipe")
     max_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of data to score")
     golden: Path | None = Field(None, description='JSONL of {"prompt", "max_new_tokens"}; relative to the recipe')
+    baseline: Path | None = Field(
+        None, description="Released engine or run dir to diff this engine against (the *_vs_old gates); relative"
+    )
     gates: GatesSection = Field(default_factory=GatesSection)
 
 
@@ -120,8 +160,9 @@ class Recipe(_Section):
 
 @dataclass(frozen=True)
 class LoadedRecipe:
-    recipe: Recipe
+    recipe: Recipe  # paths absolute
     path: Path
+    written: Recipe  # paths as written: relative ones relative to the recipe file
 
     def resolved(self) -> dict[str, Any]:
         """The recipe with defaults filled and paths absolute: what actually ran."""
@@ -129,24 +170,31 @@ class LoadedRecipe:
 
     @property
     def sha256(self) -> str:
-        canonical = json.dumps(self.resolved(), sort_keys=True, separators=(",", ":"))
+        """Of the recipe with defaults filled and paths as written (relative ones relative to the recipe file):
+        the same recipe and inputs hash the same wherever the checkout lives."""
+        canonical = json.dumps(self.written.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.resolved(), sort_keys=False)
 
 
+SCHEMA_ID = "urn:trtbuild:recipe:v1"
+
+
 def schema() -> dict[str, Any]:
-    return Recipe.model_json_schema()
+    """The recipe's JSON Schema (draft 2020-12, which pydantic writes), with `$schema` and `$id` for validators."""
+    body = Recipe.model_json_schema()
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": SCHEMA_ID, **body}
 
 
 def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> LoadedRecipe:
     if not path.is_file():
         raise UserError(f"recipe {path} does not exist; pass the path of a .yaml recipe (see recipes/)")
-    text = read_utf8(path)
+    text = read_text_capped(path, RECIPE_LIMIT, "recipe")
     try:
-        root = yaml.compose(text)
-        data = yaml.safe_load(text)
+        root = yaml.compose(text, Loader=RecipeLoader)
+        data = yaml.load(text, Loader=RecipeLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
@@ -163,7 +211,7 @@ def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Load
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise UserError(_explain(e, path, root, overridden)) from e
-    return LoadedRecipe(_resolve_paths(recipe, path.parent.resolve()), path.resolve())
+    return LoadedRecipe(_resolve_paths(recipe, path.parent.resolve()), path.resolve(), recipe)
 
 
 def _apply_override(data: dict[str, Any], override: str) -> str:
@@ -171,7 +219,7 @@ def _apply_override(data: dict[str, Any], override: str) -> str:
     if not sep or not key:
         raise UserError(f"--set {override!r}: expected dotted.key=value, e.g. --set model.dtype=float16")
     try:
-        value = yaml.safe_load(raw) if raw else ""
+        value = yaml.load(raw, Loader=RecipeLoader) if raw else ""
     except yaml.YAMLError as e:
         raise UserError(f"--set {override!r}: value is not valid YAML ({e})") from e
     node = data
@@ -189,23 +237,19 @@ def _resolve_paths(recipe: Recipe, base: Path) -> Recipe:
     def resolve(p: Path) -> Path:
         return p if p.is_absolute() else (base / p).resolve()
 
-    model = recipe.model.model_copy(update={"path": resolve(recipe.model.path)})
-    output = resolve(recipe.output) if recipe.output else None
-    update: dict[str, Any] = {"model": model, "output": output}
-    if recipe.quantize is not None:
-        q = recipe.quantize
-        update["quantize"] = q.model_copy(
-            update={
-                "calib_data": resolve(q.calib_data) if q.calib_data else None,
-                "eval_data": resolve(q.eval_data) if q.eval_data else None,
-            }
-        )
-    if recipe.eval is not None:
-        e = recipe.eval
-        update["eval"] = e.model_copy(
-            update={"data": resolve(e.data), "golden": resolve(e.golden) if e.golden else None}
-        )
-    return recipe.model_copy(update=update)
+    return _map_paths(recipe, resolve)
+
+
+def _map_paths(section: _S, fn: Callable[[Path], Path]) -> _S:
+    """`section` with `fn` applied to every Path field, in every sub-section (so a new path key needs no code)."""
+    update: dict[str, Any] = {}
+    for name in type(section).model_fields:
+        value = getattr(section, name)
+        if isinstance(value, Path):
+            update[name] = fn(value)
+        elif isinstance(value, _Section):
+            update[name] = _map_paths(value, fn)
+    return section.model_copy(update=update)
 
 
 def _explain(error: ValidationError, path: Path, root: yaml.Node | None, overridden: list[str]) -> str:
