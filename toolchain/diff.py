@@ -1,0 +1,611 @@
+"""`trtbuild diff OLD NEW`: what changed between two engines, what it cost in quality and speed, and gates on it.
+
+A release check against what serves now. OLD and NEW are engine directories or `trtbuild run` directories (whose
+`engine/` is used, and whose stage manifests tell the whole chain: source weights, quantization, build).
+
+1. What changed, from manifests and build configs alone (no model run): source weights by input hash, the resolved
+   recipes key by key, quantization, build limits, backend, engine files, software and hardware versions.
+2. Quality: both engines on the same tokens; NEW against OLD directly (KLD, same top-1, PPL ratio) and, with a
+   reference model, each against it; golden prompts whose greedy output changed, with the first divergence.
+3. Speed: both engines replay the same trace slice in interleaved rounds; medians of output tok/s, TTFT and TPOT.
+4. Gates on all of it (exit 3 in the CLI, as eval's), and report.json / .md / .html with a manifest.
+
+Both directions are valid (diff NEW OLD is the rollback's view): every metric is defined for either order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from toolchain import console
+from toolchain.engine.api import BUILD_CONFIG, Engine, open_engine
+from toolchain.errors import UserError
+from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
+
+STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine"}  # as pipeline.STAGE_DIRS
+
+GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
+    "kld_vs_old_max": ("kld_mean", "max"),
+    "kld_p99_vs_old_max": ("kld_p99", "max"),
+    "top1_vs_old_min": ("same_top1", "min"),
+    "ppl_ratio_vs_old_max": ("ppl_ratio", "max"),
+    "golden_same_min": ("golden_same", "min"),
+    "throughput_ratio_min": ("throughput_ratio", "min"),
+    "ttft_p90_ratio_max": ("ttft_p90_ratio", "max"),
+    "tpot_p90_ratio_max": ("tpot_p90_ratio", "max"),
+}
+_NEEDS = {  # metric -> the option that makes diff compute it
+    "kld_mean": "--data",
+    "kld_p99": "--data",
+    "same_top1": "--data",
+    "ppl_ratio": "--data",
+    "golden_same": "--golden",
+    "throughput_ratio": "--trace",
+    "ttft_p90_ratio": "--trace",
+    "tpot_p90_ratio": "--trace",
+}
+FRACTIONS = ("same_top1", "golden_same")
+IGNORED_RECIPE_KEYS = ("output",)  # where a build was written is not what was built
+
+
+@dataclass(frozen=True)
+class DiffOptions:
+    data: Path | None = None  # None: the eval data named in NEW's (else OLD's) recipe, when there is one
+    max_tokens: int = 4096
+    reference: Path | None = None
+    golden: Path | None = None
+    trace: Path | None = None
+    max_requests: int = 16
+    rate_scale: float = 1.0
+    rounds: int = 3
+    gates: tuple[tuple[str, float], ...] = ()
+    changes_only: bool = False
+
+
+@dataclass(frozen=True)
+class Side:
+    """One of the two builds: where its engine is and every stage manifest that could be found."""
+
+    label: str  # OLD | NEW
+    path: Path
+    kind: str  # run | engine
+    engine_dir: Path
+    manifests: dict[str, dict[str, Any]]  # stage -> manifest (convert, quantize, build; run for a run dir)
+
+    @property
+    def build_config(self) -> dict[str, Any]:
+        config: dict[str, Any] = self.manifests["build"]["details"].get("build_config") or {}
+        return config
+
+    @property
+    def recipe(self) -> dict[str, Any] | None:
+        recipe: dict[str, Any] | None = self.manifests["build"].get("recipe")
+        return recipe
+
+    @property
+    def manifest_sha256(self) -> str:
+        return sha256_file(self.engine_dir / MANIFEST_NAME)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path.resolve()),
+            "kind": self.kind,
+            "engine_dir": str(self.engine_dir.resolve()),
+            "manifest_sha256": self.manifest_sha256,
+            "stages": sorted(self.manifests),
+        }
+
+
+def load_side(path: Path, label: str) -> Side:
+    if not path.is_dir():
+        raise UserError(f"{label} {path}: no such directory; pass an engine dir or a `trtbuild run` output dir")
+    if (path / BUILD_CONFIG).is_file():
+        kind, engine_dir = "engine", path
+    elif (path / STAGE_DIRS["build"] / BUILD_CONFIG).is_file():
+        kind, engine_dir = "run", path / STAGE_DIRS["build"]
+    else:
+        raise UserError(
+            f"{label} {path}: neither an engine dir ({BUILD_CONFIG}) nor a run dir with engine/; "
+            "pass what `trtbuild build` or `trtbuild run` wrote"
+        )
+    if kind == "run":
+        read_manifest(path)  # a run dir without its own manifest was not finished
+    manifests = {"build": read_manifest(engine_dir)}
+    run_dir = path if kind == "run" else _enclosing_run(engine_dir)
+    if run_dir is not None:
+        manifests["run"] = read_manifest(run_dir)
+        for stage in ("convert", "quantize"):
+            if (run_dir / STAGE_DIRS[stage] / MANIFEST_NAME).is_file():
+                manifests[stage] = read_manifest(run_dir / STAGE_DIRS[stage])
+    else:
+        manifests.update(_upstream(manifests["build"], engine_dir))
+    return Side(label, path, kind, engine_dir, manifests)
+
+
+def _enclosing_run(engine_dir: Path) -> Path | None:
+    parent = engine_dir.resolve().parent
+    if engine_dir.resolve().name != STAGE_DIRS["build"] or not (parent / MANIFEST_NAME).is_file():
+        return None
+    try:
+        return parent if read_manifest(parent).get("stage") == "run" else None
+    except UserError:
+        return None
+
+
+def _upstream(manifest: dict[str, Any], directory: Path) -> dict[str, dict[str, Any]]:
+    """Follow a standalone engine's inputs back to its quantize and convert stages, where those dirs still exist
+    (a root may be absolute, or relative to the manifest's own directory)."""
+    found: dict[str, dict[str, Any]] = {}
+    for _ in range(2):
+        dirs = {
+            Path(os.path.normpath(directory / str(e["root"]) / e["path"])).parent
+            for e in manifest["inputs"]
+            if e.get("root")
+        }
+        if len(dirs) != 1 or not (next(iter(dirs)) / MANIFEST_NAME).is_file():
+            break
+        directory = next(iter(dirs))
+        try:
+            manifest = read_manifest(directory)
+        except UserError:
+            break
+        if manifest.get("stage") not in ("convert", "quantize") or manifest["stage"] in found:
+            break
+        found[manifest["stage"]] = manifest
+    return found
+
+
+# -- what changed -------------------------------------------------------------------------------------------------
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, child in value.items():
+            out.update(_flatten(child, f"{prefix}.{key}" if prefix else str(key)))
+        return out
+    return {prefix: value}
+
+
+def _weights(side: Side) -> dict[str, Any]:
+    convert = side.manifests.get("convert")
+    if convert is None:
+        return {"source weights": None}  # not found: shown as unknown, never as a change
+    return {e["path"]: e["sha256"] for e in convert["inputs"]}
+
+
+def _quantization(side: Side) -> dict[str, Any]:
+    q = side.build_config.get("quantization") or {}
+    details = (side.manifests.get("quantize") or {}).get("details") or {}
+    calib = details.get("calibration") or {}
+    return {
+        "method": details.get("method") or ("none" if not q.get("quant_algo") else None),
+        "quant_algo": q.get("quant_algo") or "none",
+        "group_size": q.get("group_size"),
+        "kv_cache": (side.build_config.get("kv_cache") or {}).get("dtype"),
+        "kv_cache_quant_algo": q.get("kv_cache_quant_algo") or "none",
+        "pre_quant_scale": q.get("pre_quant_scale"),
+        "smoothquant_alpha": details.get("smoothquant_alpha"),
+        "exclude_modules": q.get("exclude_modules"),
+        "calibration data sha256": calib.get("sha256"),
+        "calibration samples": calib.get("samples"),
+        "calibration seq_len": calib.get("seq_len"),
+        "seed": calib.get("seed"),
+    }
+
+
+def _build(side: Side) -> dict[str, Any]:
+    c = side.build_config
+    keys = ("backend", "dtype", "checkpoint_dtype", "architecture", "vocab_size", "num_layers")
+    out = {k: c.get(k) for k in keys}
+    out.update({f"limits.{k}": v for k, v in (c.get("limits") or {}).items()})
+    out["kv_cache.block_shape"] = (c.get("kv_cache") or {}).get("block_shape")
+    return out
+
+
+def _engine_files(side: Side) -> dict[str, Any]:
+    return {e["path"]: e["sha256"] for e in side.manifests["build"]["outputs"]}
+
+
+def _versions(side: Side) -> dict[str, Any]:
+    m = side.manifests["build"]
+    tool, gpu = m.get("toolchain") or {}, m.get("gpu") or {}
+    out = {"trtbuild": tool.get("version"), "trtbuild commit": tool.get("git_commit")}
+    out.update({k: v for k, v in sorted((m.get("packages") or {}).items())})
+    out.update({"gpu": gpu.get("name"), "driver": gpu.get("driver_version"), "cuda": gpu.get("cuda_version")})
+    out.update({f"plan.{k}": v for k, v in sorted((side.build_config.get("compatibility") or {}).items())})
+    return out
+
+
+def _recipe(side: Side) -> dict[str, Any]:
+    if side.recipe is None:
+        return {"(none: built by single commands)": True}
+    flat = _flatten(side.recipe)
+    return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_RECIPE_KEYS}
+
+
+SECTIONS: dict[str, Callable[[Side], dict[str, Any]]] = {  # the change table's order
+    "weights": _weights,
+    "recipe": _recipe,
+    "quantization": _quantization,
+    "build": _build,
+    "engine files": _engine_files,
+    "versions": _versions,
+}
+
+
+def changes(old: Side, new: Side) -> list[dict[str, Any]]:
+    """Every setting of both builds, section by section; `changed` where they differ."""
+    rows = []
+    for section, facts in SECTIONS.items():
+        a, b = facts(old), facts(new)
+        for key in [*a, *(k for k in b if k not in a)]:
+            rows.append({"section": section, "key": key, "old": a.get(key), "new": b.get(key)})
+    for row in rows:
+        unknown = row["section"] == "weights" and row["key"] == "source weights"
+        row["changed"] = row["old"] != row["new"] and not unknown
+    return rows
+
+
+# -- quality ------------------------------------------------------------------------------------------------------
+
+
+def quality_refusal(old: Engine, new: Engine) -> str | None:
+    """Why the two engines cannot be compared token for token, or None."""
+    a, b = old.spec, new.spec
+    if a.vocab_size != b.vocab_size or a.architecture != b.architecture:
+        return (
+            f"OLD is {a.architecture} with a vocabulary of {a.vocab_size}, NEW is {b.architecture} with "
+            f"{b.vocab_size}: different models, so KLD and top-1 are undefined; compare builds of one model "
+            "(pass --changes-only for the change table alone)"
+        )
+    return None
+
+
+def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Tensor | None, str | None]:
+    from toolchain.evaluate.text import tokenize
+
+    a = tokenize(data, old.engine_dir, max_tokens=max_tokens)
+    b = tokenize(data, new.engine_dir, max_tokens=max_tokens)
+    if not torch.equal(a, b):
+        return None, "OLD and NEW tokenize the evaluation text differently (their tokenizers differ)"
+    return a, None
+
+
+def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, reference: Path | None) -> dict[str, Any]:
+    """NEW against OLD on every window of `tokens` (OLD plays the reference: KL(P_old || P_new), PPL new/old),
+    and each against the reference model when given. Each model scores each window once."""
+    from toolchain.evaluate.engine_eval import EngineSession, Reference
+    from toolchain.evaluate.quality import summarize, token_stats
+
+    sessions = (EngineSession(old), EngineSession(new))
+    ref = Reference(reference) if reference is not None else None
+    count = tokens.numel() // window
+    windows = tokens[: count * window].view(count, window)
+    parts: dict[str, dict[str, list[torch.Tensor]]] = {}
+    with console.progress("scoring both engines", count) as advance:
+        for start in range(0, count, 8):
+            ids = windows[start : start + 8]
+            lo, ln = (s.all_logits(ids)[:, :-1] for s in sessions)
+            pairs = {"new_vs_old": (lo, ln)}
+            if ref is not None:
+                lr = ref.all_logits(ids)[:, :-1]
+                pairs.update(old_vs_reference=(lr, lo), new_vs_reference=(lr, ln))
+            for name, (p, q) in pairs.items():
+                for key, value in token_stats(p, q, ids[:, 1:]).items():
+                    parts.setdefault(name, {}).setdefault(key, []).append(value)
+            advance(len(ids))
+    stats = {name: {k: torch.cat(v) for k, v in s.items()} for name, s in parts.items()}
+    result: dict[str, Any] = {name: summarize(s).to_dict() for name, s in stats.items()}
+    result["window"] = window
+    result["kld_histogram"] = _histograms({name: s["kld"].reshape(-1) for name, s in stats.items()})
+    result["top1_by_position"] = {name: s["top1"].mean(0).tolist() for name, s in stats.items()}
+    return result
+
+
+def _histograms(klds: dict[str, torch.Tensor], bins: int = 24) -> dict[str, Any]:
+    """Counts over shared log10-spaced bins from 1e-6 to the largest KLD of all, so the series sit side by side."""
+    top = max(max(float(k.max()) for k in klds.values()), 1e-5)
+    hi = math.log10(top) + 1e-9
+    edges = torch.logspace(-6, hi, bins + 1, dtype=torch.float64).tolist()
+    counts = {
+        name: torch.histc(k.clamp(1e-6, top).log10(), bins=bins, min=-6, max=hi).tolist() for name, k in klds.items()
+    }
+    return {"edges": edges, "counts": counts}
+
+
+def golden(old: Engine, new: Engine, path: Path) -> list[dict[str, Any]]:
+    """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does."""
+    from toolchain.engine.api import load_tokenizer
+    from toolchain.evaluate.engine_eval import EngineSession
+    from toolchain.evaluate.golden import TokenBytes, read_golden
+
+    items = read_golden(path)
+    tok = load_tokenizer(old.spec.engine_dir)
+    render = TokenBytes(tok).render  # bytes that are not valid UTF-8 shown as escapes, as eval's report does
+    prompts = [tok(item.prompt, add_special_tokens=True)["input_ids"] for item in items]
+    for item, ids in zip(items, prompts, strict=True):
+        if not ids:
+            raise UserError(f"{path}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
+    lengths = [item.max_new_tokens for item in items]
+    outs = [EngineSession(e).greedy(prompts, lengths) for e in (old, new)]
+    results = []
+    for item, a, b in zip(items, *outs, strict=True):
+        diverge = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        if diverge is None and len(a) != len(b):
+            diverge = min(len(a), len(b))
+        results.append(
+            {
+                "prompt": item.prompt,
+                "same": diverge is None,
+                "first_divergence": diverge,
+                "old": render(a),
+                "new": render(b),
+                "old_tokens": a,
+                "new_tokens": b,
+            }
+        )
+    return results
+
+
+# -- speed --------------------------------------------------------------------------------------------------------
+
+
+def speed(old: Engine, new: Engine, trace: Path, opts: DiffOptions) -> dict[str, Any]:
+    """Both engines replay the same trace slice (lengths fitted to the smaller engine) in `rounds` interleaved
+    rounds, the order alternating, after one warm-up each; per engine the median of the rounds."""
+    from toolchain.runtime.replay import replay
+    from toolchain.runtime.traces import load_trace
+
+    engines = {"old": old, "new": new}
+    max_seq = min(e.spec.limits.max_seq_len for e in engines.values())
+    vocab = min(e.vocab_size for e in engines.values())
+    requests, scale = load_trace(trace, max_seq, vocab, opts.max_requests, opts.rate_scale)
+    console.info(f"replaying {len(requests)} requests of {trace.name} on both engines, {opts.rounds} rounds")
+    for engine in engines.values():  # warm-up: sessions, allocator, caches
+        replay(engine, [replace(r, arrival=0.0) for r in requests[:2]])
+    rounds: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+    for k in range(opts.rounds):
+        for side in ("old", "new") if k % 2 == 0 else ("new", "old"):
+            r = replay(engines[side], requests)
+            if r["completed"] < r["requests"]:
+                lost = r["requests"] - r["completed"]
+                why = "; ".join(r["errors"]) or "no reason given"
+                raise UserError(
+                    f"{side.upper()} engine: {lost} of {r['requests']} trace requests did not complete: {why}"
+                )
+            rounds[side].append({k: v for k, v in r.items() if k != "kv_utilization"})
+    summary = {side: _median_round(rs) for side, rs in rounds.items()}
+    ratios = {"throughput_ratio": _ratio(summary["new"]["output_tok_s"], summary["old"]["output_tok_s"])}
+    for metric in ("ttft", "tpot"):
+        for p in ("p50", "p90"):
+            ratios[f"{metric}_{p}_ratio"] = _ratio(summary["new"][f"{metric}_s"][p], summary["old"][f"{metric}_s"][p])
+    return {
+        "trace": str(trace.resolve()),
+        "requests": len(requests),
+        "length_scale": scale,
+        "rate_scale": opts.rate_scale,
+        "rounds": opts.rounds,
+        **summary,
+        "ratios": ratios,
+        "per_round": rounds,
+    }
+
+
+def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(values: list[float | None]) -> float | None:
+        present = [v for v in values if v is not None]
+        return statistics.median(present) if present else None
+
+    out: dict[str, Any] = {"output_tok_s": med([r["output_tok_s"] for r in rounds])}
+    for metric in ("ttft_s", "tpot_s", "queue_s"):
+        out[metric] = {p: med([r[metric][p] for r in rounds]) for p in ("p50", "p90", "p99")}
+    out["output_tokens"] = rounds[0]["output_tokens"]
+    return out
+
+
+def _ratio(new: float | None, old: float | None) -> float | None:
+    return None if new is None or not old else new / old
+
+
+# -- gates and the whole diff -------------------------------------------------------------------------------------
+
+
+def check_gate_names(gates: dict[str, float], opts: DiffOptions, have_data: bool) -> None:
+    """Everything a user can get wrong about gates, before any work."""
+    available = {"--data": have_data, "--golden": opts.golden is not None, "--trace": opts.trace is not None}
+    for gate, limit in gates.items():
+        if gate not in GATES:
+            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
+        metric, _ = GATES[gate]
+        if not math.isfinite(limit) or limit < 0 or (metric in FRACTIONS and limit > 1):
+            raise UserError(f"gate {gate}={limit}: expected a finite value >= 0 (and <= 1 for a fraction)")
+        if opts.changes_only or not available[_NEEDS[metric]]:
+            why = "--changes-only runs no model" if opts.changes_only else f"pass {_NEEDS[metric]}"
+            raise UserError(f"gate {gate} needs {metric}, which this diff would not compute; {why}")
+
+
+def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
+    results = []
+    for gate, limit in gates.items():
+        metric, direction = GATES[gate]
+        value = metrics.get(metric)
+        ok = value is not None and (value <= limit if direction == "max" else value >= limit)
+        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
+    return results
+
+
+def default_data(old: Side, new: Side) -> Path | None:
+    """The eval data named in NEW's recipe, else OLD's, when that file is here."""
+    for side in (new, old):
+        data = ((side.recipe or {}).get("eval") or {}).get("data")
+        if data and Path(data).is_file():
+            return Path(data)
+    return None
+
+
+def load_pair(old_dir: Path, new_dir: Path) -> tuple[Side, Side]:
+    if old_dir.resolve() == new_dir.resolve():
+        raise UserError(
+            f"OLD and NEW are the same directory ({old_dir.resolve()}): nothing to compare; pass the released "
+            "engine as OLD and the candidate as NEW"
+        )
+    old, new = load_side(old_dir, "OLD"), load_side(new_dir, "NEW")
+    if old.engine_dir.resolve() == new.engine_dir.resolve():
+        raise UserError(f"OLD and NEW hold the same engine ({old.engine_dir.resolve()}): nothing to compare")
+    return old, new
+
+
+def diff(
+    old_dir: Path, new_dir: Path, opts: DiffOptions, on_changes: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
+    """The whole comparison as one dict (see the module docstring). `on_changes` sees the change table as soon as
+    it is known, before any model runs. Quality refused for two different models: `quality_refused` says why."""
+    old, new = load_pair(old_dir, new_dir)
+    data = opts.data or default_data(old, new)
+    gates = dict(opts.gates)
+    check_gate_names(gates, opts, data is not None)
+    for path, what in ((opts.data, "--data"), (opts.golden, "--golden"), (opts.trace, "--trace")):
+        if path is not None and not path.is_file():
+            raise UserError(f"{what} {path}: no such file")
+    if opts.reference is not None and not (opts.reference / "config.json").is_file():
+        raise UserError(f"--reference {opts.reference}: not a Hugging Face model dir (no config.json)")
+    rows = changes(old, new)
+    result: dict[str, Any] = {
+        "old": old.describe(),
+        "new": new.describe(),
+        "changes": rows,
+        "changed": sum(r["changed"] for r in rows),
+        "same_build": not any(r["changed"] for r in rows),
+        "data": str(data.resolve()) if data else None,
+        "quality": None,
+        "quality_refused": None,
+        "golden": None,
+        "golden_same": None,
+        "speed": None,
+    }
+    if on_changes is not None:
+        on_changes(result)
+    if not opts.changes_only:
+        _run_models(old, new, data, opts, result)
+    metrics: dict[str, float | None] = {"golden_same": result["golden_same"]}
+    if result["quality"] is not None:
+        metrics.update(result["quality"]["new_vs_old"])
+    if result["speed"] is not None:
+        metrics.update(result["speed"]["ratios"])
+    result["gates"] = check_gates(gates, metrics)
+    result["passed"] = all(g["pass"] for g in result["gates"])
+    return result
+
+
+def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: dict[str, Any]) -> None:
+    engines = open_engine(old.engine_dir), open_engine(new.engine_dir)
+    refusal = quality_refusal(*engines)
+    if refusal is None and data is not None:
+        tokens, refusal = _tokens(data, old, new, opts.max_tokens)
+        if tokens is not None:
+            window = min(256, *(e.spec.limits.max_seq_len for e in engines))
+            if tokens.numel() < window:
+                raise UserError(f"{data}: {tokens.numel()} tokens, fewer than one window of {window}")
+            console.info(f"scoring both engines on {tokens.numel():,} tokens of {data} in windows of {window}")
+            result["quality"] = quality(*engines, tokens, window, opts.reference)
+    if refusal is None and opts.golden is not None:
+        result["golden"] = golden(*engines, opts.golden)
+        result["golden_same"] = sum(g["same"] for g in result["golden"]) / len(result["golden"])
+    result["quality_refused"] = refusal
+    if opts.trace is not None:
+        result["speed"] = speed(*engines, opts.trace, opts)
+
+
+def run_diff(
+    old_dir: Path,
+    new_dir: Path,
+    opts: DiffOptions,
+    out_dir: Path | None = None,
+    force: bool = False,
+    on_changes: Callable[[dict[str, Any]], None] | None = None,
+    record: StageRecord | None = None,
+    new_label: Path | None = None,
+) -> dict[str, Any]:
+    """`diff`, then report.json / .md / .html and a manifest in `out_dir` (atomically) when given. `new_label`:
+    where NEW's engine will live, when it is still being written elsewhere (a recipe run)."""
+    from toolchain.atomic import atomic_dir, check_output_dir
+    from toolchain.evaluate.diff_report import write_reports
+
+    if out_dir is not None:
+        check_output_dir(out_dir, force, inputs=(old_dir, new_dir))
+    record = record or StageRecord("diff")  # started now: its wall time is the diff's
+    result = diff(old_dir, new_dir, opts, on_changes)
+    if new_label is not None:
+        result["new"].update(path=str(new_label), engine_dir=str(new_label))
+    if out_dir is None:
+        return result
+    record.details.update(
+        old_manifest_sha256=result["old"]["manifest_sha256"],
+        new_manifest_sha256=result["new"]["manifest_sha256"],
+        changed=result["changed"],
+        gates=result["gates"],
+        passed=result["passed"],
+    )
+    with atomic_dir(out_dir, force, inputs=(old_dir, new_dir)) as tmp:
+        for engine_dir in (load_side(old_dir, "OLD").engine_dir, load_side(new_dir, "NEW").engine_dir):
+            record.add_inputs(engine_dir, [engine_dir / MANIFEST_NAME, engine_dir / BUILD_CONFIG])
+        for path in (result["data"] and Path(result["data"]), opts.golden, opts.trace):
+            if path:
+                record.add_inputs(path.parent, [path])
+        write_reports(result, tmp)
+        record.write(tmp)
+    return {**result, "report_dir": str(out_dir.resolve())}
+
+
+# -- `trtbuild run` with eval.baseline ----------------------------------------------------------------------------
+
+
+def _recipe_gates(section: Any) -> tuple[tuple[str, float], ...]:
+    return tuple((k, v) for k, v in section.gates.model_dump().items() if v is not None and k in GATES)
+
+
+def baseline_settings(section: Any) -> dict[str, Any] | None:
+    """What a recipe's diff stage depends on (its cache key's settings), or None without `eval.baseline`; checked
+    before any stage runs. `section`: the recipe's EvalSection."""
+    gates = _recipe_gates(section)
+    if section.baseline is None:
+        if gates:
+            raise UserError(
+                f"recipe eval.gates.{gates[0][0]} compares the engine with a released one: add `baseline: PATH` "
+                "(an engine or run dir) to the eval section, or remove the gate"
+            )
+        return None
+    side = load_side(section.baseline, "eval.baseline")
+    return {"baseline_manifest_sha256": side.manifest_sha256, "max_tokens": section.max_tokens, "gates": gates}
+
+
+def baseline_stage(
+    section: Any, engine_dir: Path, out_dir: Path, record: StageRecord, engine_label: Path
+) -> dict[str, Any]:
+    """The recipe's diff stage: `trtbuild diff BASELINE ENGINE` on the eval data and golden prompts, its gates,
+    and the report in `out_dir`. `engine_label`: where the engine will live once the run dir is renamed."""
+    assert section is not None and section.baseline is not None
+    opts = DiffOptions(data=section.data, max_tokens=section.max_tokens, golden=section.golden)
+    opts = replace(opts, gates=_recipe_gates(section))
+    result = run_diff(section.baseline, engine_dir, opts, out_dir, record=record, new_label=engine_label)
+    if result["quality_refused"]:
+        raise UserError(f"eval.baseline {section.baseline}: quality comparison refused: {result['quality_refused']}")
+    quality = result["quality"] and {"new_vs_old": result["quality"]["new_vs_old"]}
+    return {
+        "baseline": result["old"]["path"],
+        "baseline_manifest_sha256": result["old"]["manifest_sha256"],
+        "changed": result["changed"],
+        "quality": quality,
+        "golden_same": result["golden_same"],
+        "gates": result["gates"],
+        "passed": result["passed"],
+    }
