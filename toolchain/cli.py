@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import os
 import signal
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
@@ -17,12 +18,60 @@ from types import FrameType
 from typing import Annotated, Any
 
 import typer
+import typer.core
+
+# typer >= 0.29 vendors click as typer._click: its exceptions are not click's (hence the pin in pyproject.toml).
+from typer._click.exceptions import ClickException, UsageError
 
 from toolchain import __version__, console
 from toolchain import serve as serving  # the server's defaults (constants only; the server loads on use)
 from toolchain.errors import UserError
 
+
+class _PlainErrors(typer.core.TyperGroup):
+    """Usage errors in at most three plain lines on stderr (what, usage, where to read more), not a box."""
+
+    def main(
+        self,
+        args: Sequence[str] | None = None,
+        prog_name: str | None = None,
+        complete_var: str | None = None,
+        standalone_mode: bool = True,
+        windows_expand_args: bool = True,
+        **extra: Any,
+    ) -> Any:
+        own = (args, prog_name, complete_var)
+        if not standalone_mode:
+            return super().main(*own, standalone_mode=False, windows_expand_args=windows_expand_args, **extra)
+        try:
+            code = super().main(*own, standalone_mode=False, windows_expand_args=windows_expand_args, **extra)
+        except UsageError as e:
+            sys.stderr.write(_usage_error_lines(e))
+            sys.exit(e.exit_code)
+        except ClickException as e:
+            sys.stderr.write(f"error: {e.format_message()}\n")
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            sys.stderr.write("aborted\n")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_error_lines(e: UsageError) -> str:
+    # typer validates enum choices through pydantic, whose messages start "Value error, ".
+    message = " ".join(e.format_message().replace("Value error, ", "").split())
+    errors = getattr(e.__cause__, "errors", None)  # typer's parsing failed in pydantic: name the value given
+    if callable(errors) and errors() and repr(errors()[0].get("input")) not in message:
+        message += f" (got {errors()[0].get('input')!r})"
+    if e.ctx is None:
+        return f"error: {message}\n"
+    command = e.ctx.command_path
+    usage = " ".join(e.ctx.get_usage().split())
+    return f"error: {message}\n{usage[0].lower()}{usage[1:]}\nsee: {command} --help\n"
+
+
 app = typer.Typer(
+    cls=_PlainErrors,
     name="trtbuild",
     help="Build quantized TensorRT-LLM engines from Hugging Face checkpoints, with provenance and a quality gate.",
     no_args_is_help=True,
@@ -281,7 +330,7 @@ def eval_(
     reference: Annotated[Path, typer.Option("--reference", help="The original Hugging Face model dir.")],
     data: Annotated[Path, typer.Option("--data", help="Evaluation text (.txt or .jsonl {'text'}).")],
     output: Annotated[
-        Path | None, typer.Option("--output", "-o", help="Report dir; default ENGINE_DIR-report beside the engine.")
+        Path | None, typer.Option("--output", "-o", help="Report dir; default: beside the engine (or its run dir).")
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens of --data to score.")] = 50_000,
     golden: Annotated[
@@ -303,22 +352,17 @@ def eval_(
 ) -> None:
     """Score an engine against the original model (PPL ratio, KLD, top-1, Δp, golden prompts) and apply gates."""
     from toolchain.evaluate.engine_eval import run_eval
-    from toolchain.evaluate.quality import QualityReport
+    from toolchain.evaluate.report import summary_lines
+    from toolchain.pipeline import default_report_dir
 
     with _handled():
         gates = _parse_gates(gate or [])
-        out = output or engine_dir.resolve().with_name(engine_dir.resolve().name + "-report")
+        out = output or default_report_dir(engine_dir)
         r = run_eval(
             engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force
         )
     lines = [f"report -> {r['report_dir']} (report.md, report.html, report.json)"]
-    lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
-    if r["golden_exact"] is not None:
-        lines.append(f"  golden exact       {100 * r['golden_exact']:.1f} % of {len(r['golden'])} prompts")
-    lines += [
-        f"  gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
-        for g in r["gates"]
-    ]
+    lines += ["  " + line for line in summary_lines(r)]
     slim = {k: v for k, v in r.items() if k not in ("kld_histogram", "top1_by_position")}
     _emit(slim, json_out, lines)
     if not r["passed"]:
@@ -339,8 +383,12 @@ def inspect(
     _emit(info, json_out, _describe_lines(info))
 
 
-def _describe_lines(info: dict[str, Any], indent: str = "") -> list[str]:
+def _describe_lines(info: dict[str, Any], indent: str = "", eval_shown: bool = False) -> list[str]:
+    from toolchain.inspect import eval_lines
+
     lines = [f"{indent}{info['path']}  ({info['kind']})"]
+    if "eval" in info and not eval_shown:  # a run's verdict at its top, not again under its report stage
+        lines += eval_lines(info["eval"], indent)
     if info["kind"] == "hf-model":
         lines.append(
             f"{indent}  hugging face  {info['architectures']}, {info['num_hidden_layers']} layers, hidden "
@@ -378,7 +426,7 @@ def _describe_lines(info: dict[str, Any], indent: str = "") -> list[str]:
         )
         lines += [f"{indent}  warning       {w}" for w in m["warnings"]]
     for child in info.get("stages", {}).values():
-        lines += _describe_lines(child, indent + "  ")
+        lines += _describe_lines(child, indent + "  ", "eval" in info)
     return lines
 
 
@@ -433,13 +481,9 @@ def run(
     for name, stage in r["stages"].items():
         lines.append(f"  {name:<9}{' (unchanged, reused)' if stage.get('cached') else ''}{_stage_line(name, stage)}")
     if r["stages"].get("eval", {}).get("quality"):
-        from toolchain.evaluate.quality import QualityReport
+        from toolchain.evaluate.report import summary_lines
 
-        lines += ["    " + line for line in QualityReport(**r["stages"]["eval"]["quality"]).lines()]
-        lines += [
-            f"    gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
-            for g in r["stages"]["eval"]["gates"]
-        ]
+        lines += ["    " + line for line in summary_lines(r["stages"]["eval"])]
     lines.append(f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s")
     _emit(r, json_out, lines)
     if not r["passed"]:
@@ -457,6 +501,11 @@ def _stage_line(name: str, s: dict[str, Any]) -> str:
     if name == "eval":
         q = s.get("quality") or {}
         return f" mean KLD {q.get('kld_mean', float('nan')):.6f}, {'PASS' if s.get('passed') else 'REGRESSION'}"
+    if name == "diff":
+        q = (s.get("quality") or {}).get("new_vs_old") or {}
+        failed = [g["gate"] for g in s.get("gates", []) if not g["pass"]]
+        verdict = f"REGRESSION ({', '.join(failed)})" if failed else "PASS"
+        return f" vs {s.get('baseline')}: mean KLD vs baseline {q.get('kld_mean', float('nan')):.6f}, {verdict}"
     return ""
 
 
@@ -518,13 +567,37 @@ def bench_(
         str, typer.Option(help="guaranteed_no_evict or max_utilization (preempts by recompute).")
     ] = "max_utilization",
     kv_blocks: Annotated[int, typer.Option("--kv-blocks", min=0, help="KV pool blocks; 0: the build's.")] = 0,
-    static: Annotated[bool, typer.Option("--static", help="Static batching baseline instead of in-flight.")] = False,
+    static: Annotated[
+        bool,
+        typer.Option(
+            "--static",
+            help="Baseline: batches of max_batch_size requests, each run to completion before the next is admitted "
+            "(request-level batching on the same runtime, no padding) instead of in-flight batching.",
+        ),
+    ] = False,
+    prefix_sharing: Annotated[
+        bool, typer.Option("--prefix-sharing/--no-prefix-sharing", help="Reuse cached KV blocks of shared prefixes.")
+    ] = True,
+    max_gap_s: Annotated[
+        float,
+        typer.Option(
+            "--max-gap-s",
+            min=0.001,
+            help="A gap between two arrivals (after --rate-scale) longer than this is shortened to it, with a line "
+            "saying so, so a trace's quiet hours do not make the benchmark wait in real time.",
+        ),
+    ] = 60.0,
+    allow_failures: Annotated[
+        bool,
+        typer.Option("--allow-failures", help="Exit 0 even when requests fail (they are listed with the reason)."),
+    ] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write KV-cache utilization over time (SVG).")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions."""
+    """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions,
+    prefix-cache hits. Exits 1 when any request fails, unless --allow-failures."""
     from toolchain.engine.api import open_engine
-    from toolchain.runtime.replay import replay, utilization_svg
+    from toolchain.runtime.replay import replay, table, utilization_svg
     from toolchain.runtime.scheduler import POLICIES
     from toolchain.runtime.traces import load_trace
 
@@ -532,30 +605,28 @@ def bench_(
         if policy not in POLICIES:
             raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
         engine = open_engine(engine_dir)
-        requests, scale = load_trace(trace, engine.spec.limits.max_seq_len, engine.vocab_size, max_requests, rate_scale)
+        limits = engine.spec.limits
+        requests, scale = load_trace(
+            trace, limits.max_seq_len, engine.vocab_size, max_requests, rate_scale, max_gap_s=max_gap_s
+        )
         console.info(f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})")
-        r = replay(engine, requests, policy, kv_blocks or None, static)
-        r.update(trace=str(trace), length_scale=scale, rate_scale=rate_scale, policy=policy, static=static)
+        r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
+        r["settings"].update(max_requests=max_requests, rate_scale=rate_scale, max_gap_s=max_gap_s, seed=0)
+        cut = [q.gap_cut_s for q in requests if q.gap_cut_s > 0]
+        r.update(trace=str(trace), length_scale=scale, gaps_cut=len(cut), gap_seconds_cut=sum(cut))
         if plot:
             utilization_svg(r["kv_utilization"], plot, f"KV blocks in use, {trace.name}")
-    slim = {k: v for k, v in r.items() if k != "kv_utilization"} if not json_out else r
-
-    def ms(d: dict[str, float | None]) -> str:
-        return " / ".join("-" if v is None else f"{1e3 * v:.0f}" for v in d.values())
-
-    _emit(
-        slim if not json_out else r,
-        json_out,
-        [
-            f"{r['completed']}/{r['requests']} completed, {r['failed']} failed, {r['preemptions']} preemptions, "
-            f"{r['wall_s']:.1f} s ({'static' if static else 'in-flight'} batching, {policy})",
-            f"  output        {r['output_tok_s']:.1f} tok/s ({r['output_tokens']} tokens)",
-            f"  TTFT ms       {ms(r['ttft_s'])} (p50 / p90 / p99)",
-            f"  TPOT ms       {ms(r['tpot_s'])}",
-            f"  queue ms      {ms(r['queue_s'])}",
-            f"  KV blocks     peak {100 * r['kv_utilization_max']:.0f} % in use",
-        ],
-    )
+    _emit(r if json_out else {k: v for k, v in r.items() if k != "kv_utilization"}, json_out, table(r))
+    if r["not_completed"] and not allow_failures:
+        reason = next(iter(r["failure_reasons"]), "unknown")
+        console.err.print(
+            f"error: {r['not_completed']} of {r['requests']} requests did not complete (first reason: {reason}); "
+            "fix the engine or trace, or pass --allow-failures to accept",
+            style="red",
+            markup=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(1)
 
 
 @app.command(
@@ -602,6 +673,104 @@ def serve(
             host, port, api_keys, max_queue, request_timeout, drain_timeout, served_model_name, log_requests
         )
         run_server(engine_dir, options)
+
+
+@app.command(
+    "diff",
+    epilog="Example: `trtbuild diff released/ candidate/ --data ../shared/data/wikitext-2/test.txt --golden "
+    "prompts.jsonl --trace trace.csv --gate kld_vs_old_max=0.05 --gate throughput_ratio_min=0.9 -o diff-report` "
+    "(exit 3 when a gate fails; exit 1 for bad input, the same directory twice, or two different models)",
+)
+def diff_(
+    old: Annotated[Path, typer.Argument(help="The released engine: an engine dir or a `trtbuild run` dir.")],
+    new: Annotated[Path, typer.Argument(help="The candidate engine: an engine dir or a `trtbuild run` dir.")],
+    data: Annotated[
+        Path | None,
+        typer.Option("--data", help="Text both engines score; default the eval data of NEW's (else OLD's) recipe."),
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=2, help="Tokens of --data to score.")] = 4096,
+    reference: Annotated[
+        Path | None, typer.Option("--reference", help="The original HF model: each engine against it too.")
+    ] = None,
+    golden: Annotated[
+        Path | None, typer.Option("--golden", help='JSONL of {"prompt": ..., "max_new_tokens": N}: greedy outputs.')
+    ] = None,
+    trace: Annotated[
+        Path | None, typer.Option("--trace", help="Azure .csv or Mooncake .jsonl trace both engines replay.")
+    ] = None,
+    max_requests: Annotated[int, typer.Option("--max-requests", min=1, help="First N requests of the trace.")] = 16,
+    rate_scale: Annotated[float, typer.Option("--rate-scale", min=0.001, help="Arrival rate multiplier.")] = 1.0,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Interleaved replay rounds per engine.")] = 3,
+    gate: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--gate",
+            metavar="NAME=LIMIT",
+            help="kld_vs_old_max, kld_p99_vs_old_max, top1_vs_old_min, ppl_ratio_vs_old_max, golden_same_min, "
+            "throughput_ratio_min, ttft_p90_ratio_max, tpot_p90_ratio_max (repeatable); a failure exits 3.",
+        ),
+    ] = None,
+    changes_only: Annotated[
+        bool, typer.Option("--changes-only", help="Only what changed, from the manifests (no model run).")
+    ] = False,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Report dir (report.json/.md/.html).")] = None,
+    force: ForceOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """What changed between two engines (weights, recipe, quantization, limits, backend, versions), what it cost
+    in quality (NEW vs OLD: KLD, top-1, PPL; golden prompts) and speed (trace replay), with gates (exit 3)."""
+    from toolchain.diff import DiffOptions, run_diff
+    from toolchain.evaluate.diff_report import change_lines, summary_line
+
+    def show_changes(r: dict[str, Any]) -> None:
+        if json_out:
+            return
+        lines = [f"diff {old} -> {new}", f"  {summary_line(r)}"]
+        lines += [f"  {s:<13}{k:<32} {a} -> {b}" for s, k, a, b in change_lines(r)]
+        typer.echo("\n".join(lines))
+
+    with _handled():
+        opts = DiffOptions(
+            data, max_tokens, reference, golden, trace, max_requests, rate_scale, rounds,
+            tuple(_parse_gates(gate or []).items()), changes_only,
+        )  # fmt: skip
+        r = run_diff(old, new, opts, output, force, on_changes=show_changes)
+    plots = ("kld_histogram", "top1_by_position")  # in report.json; too long for a terminal
+    slim = {**r, "quality": r["quality"] and {k: v for k, v in r["quality"].items() if k not in plots}}
+    _emit(slim, json_out, _diff_lines(r))
+    if r["quality_refused"]:
+        console.err.print(f"error: quality comparison refused: {r['quality_refused']}", markup=False)
+        raise typer.Exit(1)
+    if not r["passed"]:
+        console.err.print("release regression: a diff gate failed (exit 3)", markup=False)
+        raise typer.Exit(3)
+
+
+def _diff_lines(r: dict[str, Any]) -> list[str]:
+    from toolchain.evaluate.diff_report import quality_rows, speed_rows
+
+    lines = []
+    if r["quality"] is not None:
+        lines.append(f"  quality on {r['quality']['new_vs_old']['tokens']:,} tokens of {r['data']}")
+        lines += [f"    {k:<36} {v}" for k, v in quality_rows(r["quality"])]
+    if r["golden"] is not None:
+        lines.append(f"  golden prompts: {sum(g['same'] for g in r['golden'])} of {len(r['golden'])} unchanged")
+        lines += [
+            f"    changed at token {g['first_divergence']}: {g['prompt']!r}" for g in r["golden"] if not g["same"]
+        ]
+    if r["speed"] is not None:
+        s = r["speed"]
+        lines.append(f"  speed: {s['requests']} requests of {Path(s['trace']).name}, {s['rounds']} interleaved rounds")
+        lines.append(f"    {'':<14}{'OLD':>10}{'NEW':>10}{'NEW/OLD':>10}")
+        lines += [f"    {a:<14}{b:>10}{c:>10}{d:>10}" for a, b, c, d in speed_rows(s)]
+    lines += [
+        f"  gate {g['gate']:<21} {'-' if g['value'] is None else format(g['value'], '.6g')} vs {g['limit']:g}: "
+        f"{'pass' if g['pass'] else 'FAIL'}"
+        for g in r["gates"]
+    ]
+    if r.get("report_dir"):
+        lines.append(f"  report -> {r['report_dir']} (report.md, report.html, report.json)")
+    return lines
 
 
 plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)
