@@ -34,8 +34,8 @@ test: $(STAMP)
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 lint: $(STAMP)
-	$(BIN)/ruff check toolchain tests bench
-	$(BIN)/ruff format --check toolchain tests bench
+	$(BIN)/ruff check toolchain tests bench plugins
+	$(BIN)/ruff format --check toolchain tests bench plugins
 	$(BIN)/mypy
 
 demo: $(STAMP)

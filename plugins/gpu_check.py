@@ -10,8 +10,13 @@
    fp16, against the card's measured device-to-device copy bandwidth and torch's scaled_dot_product_attention on
    the same data; KV bytes read / time = achieved bandwidth.
 
+Kernel names, grids, block size and the scalar arguments in order come from toolchain/plugins/launch.py, the
+description TensorRT's registration (toolchain/plugins/tensorrt_registration.py) launches from, so this check runs
+the launches a TensorRT engine would make (plus the split-K variant, described there too).
+
 Writes gpu-check.json and gpu-check.md to --out (default $OUT or .), prints the table last.
-Needs: torch with CUDA, cuda-bindings, NVRTC (the GPU image has all three); no TensorRT.
+Runs standalone from a checkout (`python3 plugins/gpu_check.py`: the repository root goes on sys.path).
+Needs: torch with CUDA, cuda-bindings, NVRTC (the GPU image has all three), rich; no TensorRT.
 """
 
 from __future__ import annotations
@@ -31,12 +36,11 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from toolchain.engine.ops import AttentionAttrs  # noqa: E402
+from toolchain.plugins import launch  # noqa: E402
+
 VECTORS = sorted((ROOT / "tests" / "vectors").glob("*.npz"))
-SCALING = {"none": 0, "linear": 1, "llama3": 2}
-
-
-def f2i(x: float) -> int:
-    return int(np.array(x, dtype=np.float32).view(np.int32))
+ACTIVATION = {short: name for name, short in launch.ACTIVATIONS.items()}  # "f16" -> "float16"
 
 
 class Kernels:
@@ -60,7 +64,8 @@ class Kernels:
         values = tuple(a for a, _ in args)
         types = tuple(t for _, t in args)
         stream = self.torch.cuda.current_stream().cuda_stream
-        (err,) = driver.cuLaunchKernel(self.functions[name], *grid, 128, 1, 1, 0, stream, (values, types), 0)
+        threads = launch.BLOCK_THREADS
+        (err,) = driver.cuLaunchKernel(self.functions[name], *grid, threads, 1, 1, 0, stream, (values, types), 0)
         assert int(err) == 0, f"launch {name}: {err}"
 
 
@@ -72,11 +77,12 @@ def i32(v: int) -> tuple[int, Any]:
     return (int(v), ctypes.c_int)
 
 
-def run_case(k: Kernels, v: dict[str, np.ndarray], splits: int) -> dict[str, Any]:
+def run_case(k: Kernels, v: dict[str, np.ndarray], splits: int, dev: str = "cuda") -> dict[str, Any]:
+    """One vector through the kernels (`dev` other than cuda only for tests/test_plugins.py, which records the
+    launches on CPU with a stand-in for Kernels)."""
     torch = k.torch
     meta = json.loads(str(v["attrs"]))
     act, kv = meta["activation"], meta["kv"]
-    dev = "cuda"
     half = {"f16": torch.float16, "bf16": torch.bfloat16}
     store = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8, "int8": torch.int8}
     qkv = torch.from_numpy(v["qkv"].copy()).view(half[act]).to(dev)
@@ -86,78 +92,42 @@ def run_case(k: Kernels, v: dict[str, np.ndarray], splits: int) -> dict[str, Any
     pool = torch.from_numpy(v["kv_in"].copy()).to(dev)
     pool = pool.view(store[kv]) if kv in ("f16", "bf16") else pool
     before = pool.clone()
-    t, heads, kvh, hd = qkv.shape[0], meta["num_heads"], meta["num_kv_heads"], meta["head_size"]
-    num_blocks, tpb = pool.shape[1], meta["tokens_per_block"]
-    q = torch.full((t, heads * hd), float("nan"), dtype=half[act], device=dev)
-    out = torch.full((t, heads * hd), float("nan"), dtype=half[act], device=dev)
-    common = [
-        i32(t),
-        i32(ctx.numel()),
-        i32(tables.shape[1]),
-        i32(num_blocks),
-        i32(meta["layer"]),
-        i32(heads),
-        i32(kvh),
-        i32(hd),
-        i32(tpb),
-    ]
-    k.launch(
-        f"trtbuild_kv_write_{act}_{kv}",
-        (t, 1, 1),
-        [
-            ptr(qkv),
-            ptr(pos),
-            ptr(ctx),
-            ptr(new),
-            ptr(tables),
-            ptr(pool),
-            *common,
-            i32(meta["rotary_style"] == "neox"),
-            i32(f2i(meta["rotary_base"])),
-            i32(SCALING[meta["rotary_scaling_type"]]),
-            i32(f2i(meta["rotary_scaling_factor"])),
-            i32(f2i(meta["rotary_low_freq_factor"])),
-            i32(f2i(meta["rotary_high_freq_factor"])),
-            i32(meta["rotary_original_max_positions"]),
-            i32(f2i(meta["kv_scale"])),
-            ptr(q),
-            ptr(pool),
-        ],
-    )
-    path = {64: "hd64", 128: "hd128"}.get(hd, "generic")
-    group = heads // kvh
-    per_block = 8 if path != "generic" else 4
-    grid = (t, kvh * -(-group // per_block), splits)
-    args = [
-        ptr(q),
-        ptr(pos),
-        ptr(ctx),
-        ptr(new),
-        ptr(tables),
-        ptr(pool),
-        *common,
-        i32(meta["sliding_window"]),
-        i32(f2i(meta["kv_scale"])),
-    ]
-    name = f"trtbuild_attention_{act}_{kv}_{path}"
+    attrs = AttentionAttrs(**{name: value for name, value in meta.items() if name not in ("activation", "kv")})
+    activation = ACTIVATION[act]
+    t, heads, hd = qkv.shape[0], attrs.num_heads, attrs.head_size
+    num_blocks, tpb = pool.shape[1], attrs.tokens_per_block
+    q = torch.full((t, launch.output_width(attrs)), float("nan"), dtype=half[act], device=dev)
+    out = torch.full((t, launch.output_width(attrs)), float("nan"), dtype=half[act], device=dev)
+    dims = (t, ctx.numel(), tables.shape[1], num_blocks)  # num_tokens, num_seqs, max_blocks, num_blocks
+    inputs = [ptr(qkv), ptr(pos), ptr(ctx), ptr(new), ptr(tables), ptr(pool)]
+    scalars = [i32(x) for x in launch.kv_write_scalars(attrs, *dims)]
+    k.launch(launch.kv_write_kernel(attrs, activation), launch.kv_write_grid(t), [*inputs, *scalars, ptr(q)])
+    inputs[0] = ptr(q)
+    scalars = [i32(x) for x in launch.attention_scalars(attrs, *dims)]
     if splits == 1:
-        k.launch(name, grid, [*args, ptr(out)])
+        name = launch.attention_kernel(attrs, activation)
+        k.launch(name, launch.attention_grid(attrs, t), [*inputs, *scalars, ptr(out)])
     else:
         part_o = torch.full((t * heads * splits * hd,), float("nan"), device=dev)
         part_ml = torch.full((t * heads * splits * 2,), float("nan"), device=dev)
-        k.launch(f"{name}_split", grid, [*args, i32(splits), ptr(part_o), ptr(part_ml)])
         k.launch(
-            f"trtbuild_attention_reduce_{act}",
+            launch.attention_split_kernel(attrs, activation),
+            launch.attention_split_grid(attrs, t, splits),
+            [*inputs, *scalars, i32(splits), ptr(part_o), ptr(part_ml)],
+        )
+        k.launch(
+            launch.reduce_kernel(activation),
             (t * heads, 1, 1),
             [ptr(part_o), ptr(part_ml), i32(t), i32(heads), i32(hd), i32(splits), ptr(out)],
         )
-    torch.cuda.synchronize()
+    if dev == "cuda":
+        torch.cuda.synchronize()
 
     def rel(a: Any, b: np.ndarray) -> float:
         ref = torch.from_numpy(np.asarray(b, dtype=np.float32))
         return float((a.float().cpu() - ref).norm() / ref.norm().clamp_min(1e-12))
 
-    scale = meta["kv_scale"]
+    scale = attrs.kv_scale
 
     def dequant(p: Any) -> Any:
         if kv == "fp8":
@@ -200,8 +170,11 @@ def timing(
     ctx = pos.clone()
     new = torch.ones(batch, dtype=torch.int32, device=dev)
     kv_bytes = batch * context * kvh * hd * 2 * 2
-    common = [i32(batch), i32(batch), i32(per_seq), i32(num_blocks), i32(0), i32(heads), i32(kvh), i32(hd), i32(tpb)]
-    args = [ptr(q), ptr(pos), ptr(ctx), ptr(new), ptr(tables), ptr(pool), *common, i32(0), i32(f2i(1.0))]
+    attrs = AttentionAttrs(
+        layer=0, num_heads=heads, num_kv_heads=kvh, head_size=hd, tokens_per_block=tpb, kv_cache_dtype="float16"
+    )
+    scalars = [i32(x) for x in launch.attention_scalars(attrs, batch, batch, per_seq, num_blocks)]
+    args = [ptr(q), ptr(pos), ptr(ctx), ptr(new), ptr(tables), ptr(pool), *scalars]
 
     def events(fn: Any, reps: int = 20) -> float:
         for _ in range(3):
@@ -225,15 +198,18 @@ def timing(
         part_ml = torch.empty(batch * heads * splits * 2, device=dev)
 
         def run(splits: int = splits, part_o: Any = part_o, part_ml: Any = part_ml) -> None:
-            grid = (batch, kvh, splits)
             if splits == 1:
-                k.launch("trtbuild_attention_f16_f16_hd128", grid, [*args, ptr(out)])
+                k.launch(
+                    launch.attention_kernel(attrs, "float16"), launch.attention_grid(attrs, batch), [*args, ptr(out)]
+                )
             else:
                 k.launch(
-                    "trtbuild_attention_f16_f16_hd128_split", grid, [*args, i32(splits), ptr(part_o), ptr(part_ml)]
+                    launch.attention_split_kernel(attrs, "float16"),
+                    launch.attention_split_grid(attrs, batch, splits),
+                    [*args, i32(splits), ptr(part_o), ptr(part_ml)],
                 )
                 k.launch(
-                    "trtbuild_attention_reduce_f16",
+                    launch.reduce_kernel("float16"),
                     (batch * heads, 1, 1),
                     [ptr(part_o), ptr(part_ml), i32(batch), i32(heads), i32(hd), i32(splits), ptr(out)],
                 )

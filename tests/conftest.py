@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -55,11 +56,28 @@ def make_llama(tmp_path: Path) -> Callable[..., Path]:
     return make
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def stories() -> Path:
     if not (STORIES / "config.json").is_file():
         pytest.skip(f"shared data absent: {STORIES} (present in CI; a fresh clone has no ../shared)")
     return STORIES
+
+
+@pytest.fixture(scope="session")
+def plugin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the tests compile the CUDA plugins: a cache kept across runs, $XDG_CACHE_HOME/trtbuild/plugins
+    (~/.cache/trtbuild/plugins), or a temporary dir where that is not writable. compile_plugins names each build by
+    a hash of the sources, options, SM and NVRTC version, so a changed kernel or compiler compiles afresh and an
+    unchanged one is not recompiled on every run (4 SMs: half a minute on 2 cores)."""
+    path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtbuild" / "plugins"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError:
+        return tmp_path_factory.mktemp("plugins")
+    return path
 
 
 @pytest.fixture

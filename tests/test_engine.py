@@ -4,6 +4,7 @@ in-flight batching, and against the quantize stage's fake-quant reference; `trtb
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from toolchain.engine.api import Engine as OrtEngine
 from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.engine.contract import Batch
-from toolchain.quantize.fake import load_quantized
+from toolchain.quantize.core import FP8_E4M3_MAX
+from toolchain.quantize.fake import fake_quant, load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
 TPB = 4  # small blocks so that short test sequences span several, with partial last blocks
@@ -35,9 +37,15 @@ def build(ckpt: Path, out: Path, **kw: Any) -> OrtEngine:
 
 def run_alone(engine: OrtEngine, ids: list[int], blocks: int = 32) -> np.ndarray:
     """Every position's logits of one sequence in one prefill call, blocks in shuffled order."""
+    return run_with_pool(engine, ids, blocks)[0]
+
+
+def run_with_pool(engine: OrtEngine, ids: list[int], blocks: int = 32) -> tuple[np.ndarray, torch.Tensor, list[int]]:
+    """run_alone, also returning the pool it wrote and the sequence's block table."""
     pool = engine.new_kv_cache(blocks)
     order = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(ids))).tolist()
-    return engine.forward(Batch.from_sequences([ids], [0], [order[: -(-len(ids) // TPB)]], all_logits=True), pool)
+    table = order[: -(-len(ids) // TPB)]
+    return engine.forward(Batch.from_sequences([ids], [0], [table], all_logits=True), pool), pool, table
 
 
 def hf_logits(hf_dir: Path, ids: list[int]) -> np.ndarray:
@@ -131,11 +139,16 @@ def test_kv_pool_is_written_in_place_and_only_at_the_new_slots(gqa_engine: OrtEn
 
 METHODS = [
     ("w8a16", "none", 128),
-    ("w4a16", "none", 64),  # intermediate 172 padded to 192: the Slice after the blocked DequantizeLinear
+    (
+        "w4a16",
+        "none",
+        64,
+    ),  # intermediate 172 padded to 192: the codes go in cut to 172, blocked DQ's last block partial
     ("w4a16_awq", "none", 32),
     ("w8a8_sq", "int8", 128),
     ("fp8", "fp8", 128),
 ]
+RUN_TIME = ("w8a8_sq", "fp8")  # methods that quantize activations (and here the KV cache) while the engine runs
 
 
 def _kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -144,35 +157,163 @@ def _kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
     return (lp.exp() * (lp - lq)).sum(-1)
 
 
+@pytest.fixture(scope="module")
+def quantized(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[Path, OrtEngine]]:
+    """(checkpoint, CPU engine) of stories260K quantized by (method, kv, group), made once per module."""
+    tmp = tmp_path_factory.mktemp("quantized")
+    convert(stories, tmp / "ckpt")
+    made: dict[str, tuple[Path, OrtEngine]] = {"float": (tmp / "ckpt", build(tmp / "ckpt", tmp / "float-engine"))}
+
+    def make(method: str = "float", kv: str = "none", group: int = 128) -> tuple[Path, OrtEngine]:
+        name = method if method == "float" else f"{method}-{kv}-{group}"
+        if name not in made:
+            opts = QuantizeOptions(method, kv, group, calib_data=WIKI / "valid.txt", calib_samples=4, calib_seq_len=64)
+            quantize_checkpoint(tmp / "ckpt", tmp / name, opts)
+            made[name] = (tmp / name, build(tmp / name, tmp / f"{name}-engine"))
+        return made[name]
+
+    return make
+
+
+def _probe(scale: float, kind: str, width: int = 67) -> torch.Tensor:
+    """Fixed quantizer inputs [rows, width] (an odd width: vectorised kernels' tails run too): every code's value,
+    every midpoint between two adjacent codes (where round-half-to-even decides), a hair either side of each,
+    values past saturation, signed zeros, and a spread of ordinary values."""
+    codes = torch.arange(-128, 128, dtype=torch.float32)
+    if kind == "FP8":
+        codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+        codes = codes[torch.isfinite(codes)].unique()  # sorted, -448 .. 448
+    mids = (codes[1:] + codes[:-1]) / 2
+    grid = torch.cat([codes, mids, mids.nextafter(mids + 1), mids.nextafter(mids - 1)]) * scale
+    edges = torch.tensor([0.0, -0.0, 1e4, -1e4, 3e38, -3e38]) * scale
+    spread = torch.randn(40 * width, generator=torch.Generator().manual_seed(0)) * 30 * scale
+    x = torch.cat([grid, edges, spread])
+    return torch.cat([x, torch.zeros(-x.numel() % width)]).reshape(-1, width)
+
+
+def _run_nodes(nodes: list[onnx.NodeProto], inits: list[onnx.TensorProto], x: torch.Tensor) -> torch.Tensor:
+    import onnxruntime as ort
+
+    from toolchain.engine.ort_backend import ort_threads
+
+    io = onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(
+        nodes,
+        "quantizer",
+        [io(nodes[0].input[0], onnx.TensorProto.FLOAT, ["rows", "width"])],
+        [io(nodes[-1].output[0], onnx.TensorProto.FLOAT, ["rows", "width"])],
+        inits,
+    )
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 21)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = ort_threads()  # the engine's own thread count (TRTBUILD_ORT_THREADS)
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return torch.from_numpy(session.run(None, {nodes[0].input[0]: x.numpy()})[0])
+
+
+@pytest.mark.parametrize("method", RUN_TIME)
+def test_activation_quantizers_of_the_graph_equal_fake_quant_bit_for_bit(
+    method: str, quantized: Callable[..., tuple[Path, OrtEngine]]
+) -> None:
+    """Every QuantizeLinear -> DequantizeLinear pair of the engine graph, run by ONNX Runtime on fixed inputs,
+    returns exactly what the fake-quant reference computes with its own scale for that linear: same codes, same
+    values, ties and saturation included. The graph's scales are therefore the reference's, bit for bit."""
+    ckpt, engine = quantized(method, "int8" if method == "w8a8_sq" else "fp8")
+    hooks = load_quantized(ckpt).hooks
+    model = onnx.load(str(engine.spec.engine_dir / "model.onnx"))
+    inits = {t.name: t for t in model.graph.initializer}
+    dq_of = {n.input[0]: n for n in model.graph.node if n.op_type == "DequantizeLinear"}
+    pairs = [(n, dq_of[n.output[0]]) for n in model.graph.node if n.op_type == "QuantizeLinear"]
+    assert {q.output[0].removesuffix(".input_q") for q, _ in pairs} == set(hooks.activation_scales)
+    assert len(pairs) == 5 * engine.spec.kv_cache.num_layers and hooks.activation_kind
+    for q, dq in pairs:
+        scale = hooks.activation_scales[q.output[0].removesuffix(".input_q")]
+        x = _probe(scale, hooks.activation_kind)
+        got = _run_nodes([q, dq], [inits[i] for i in {*q.input[1:], *dq.input[1:]}], x)
+        expected = fake_quant(x, scale, hooks.activation_kind)
+        assert torch.equal(got, expected), (q.name, (got != expected).sum().item(), x[got != expected][:4])
+
+
+@pytest.mark.parametrize("kind", ["INT8", "FP8"])
+def test_kv_cache_quantizer_equals_fake_quant_bit_for_bit(kind: str) -> None:
+    """What KVCacheWrite stores and PagedAttention reads back (the plugin ops the CPU engine runs) is exactly the
+    fake-quant reference of the same K and V, ties and saturation included."""
+    from toolchain.engine.ops import AttentionAttrs, _load, kv_cache_write
+
+    scale = float(torch.tensor(0.0371))  # a float32 value, as the graph attribute holds it
+    kv = _probe(scale, kind, width=2 * 8).reshape(-1, 2, 8)  # [tokens, kv heads, head size]
+    t = kv.shape[0]
+    a = AttentionAttrs(
+        0, 2, 2, 8, tokens_per_block=TPB, rotary_style="none", kv_cache_dtype=kind.lower(), kv_scale=scale
+    )
+    qkv = torch.cat([torch.zeros(t, 16), kv.reshape(t, 16), -kv.reshape(t, 16)], dim=1)
+    blocks = -(-t // TPB)
+    pool = torch.zeros(1, blocks + 3, 2, 2, TPB, 8, dtype=torch.int8 if kind == "INT8" else torch.uint8)
+    table = torch.randperm(blocks + 3, generator=torch.Generator().manual_seed(1))[:blocks].int()
+    positions = torch.arange(t, dtype=torch.int32)
+    kv_cache_write(a, qkv, positions, torch.tensor([0]), torch.tensor([t]), table[None], pool)
+    stored = pool[0][table.long()[positions // TPB], :, :, positions % TPB]  # [tokens, K/V, kv heads, head size]
+    assert torch.equal(_load(stored[:, 0], a, torch.float32), fake_quant(kv, scale, kind))
+    assert torch.equal(_load(stored[:, 1], a, torch.float32), fake_quant(-kv, scale, kind))
+
+
+def _kv_codes(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """The bytes the pool holds for x (what fake_quant rounds to, as stored)."""
+    if kind == "INT8":
+        return torch.round(x / scale).clamp(-128, 127).to(torch.int8).view(torch.uint8)
+    return (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
 @pytest.mark.parametrize(("method", "kv", "group"), METHODS)
 def test_quantized_engine_equals_fake_quant_reference(
-    method: str, kv: str, group: int, stories: Path, tmp_path: Path
+    method: str, kv: str, group: int, quantized: Callable[..., tuple[Path, OrtEngine]]
 ) -> None:
-    """Weight-only methods: the engine computes what the fake-quant reference computes (< 1e-4). Where activations
-    or the KV cache are quantized at run time, a last-bit difference in the summation order (ONNX Runtime's kernels
-    differ by CPU and thread count) can put a value on the other side of a rounding boundary and flip a code, after
-    which that sequence's later logits differ by a quantization step; so there the engine is held to what a flip can
-    do: cost a small fraction of what quantization itself costs, and almost never change the top-1 token."""
-    convert(stories, tmp_path / "ckpt")
-    opts = QuantizeOptions(method, kv, group, calib_data=WIKI / "valid.txt", calib_samples=4, calib_seq_len=64)
-    quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", opts)
-    engine = build(tmp_path / "q", tmp_path / "engine")
-    fake, full = load_quantized(tmp_path / "q"), load_quantized(tmp_path / "ckpt")
-    got, expected, floats = [], [], []
+    """Weight-only methods: the engine computes what the fake-quant reference computes (< 1e-4, same argmax).
+
+    Where activations or the KV cache are quantized at run time, each quantizer is exact (the two tests above), but
+    its input is the output of a GEMM or an attention whose summation order differs between ONNX Runtime and torch
+    (and between CPUs and thread counts). A last-bit difference can put a value on the other side of a rounding
+    boundary and flip a code; that sequence's later tokens then differ by a quantization step. So there the engine
+    is held to what a flip can do, and to what it cannot: flipped KV codes stay a small share (a wrong scale,
+    rounding mode or zero point changes most of them); the engine costs a small fraction of what quantization
+    itself costs (KLD), and almost never changes the top-1 token."""
+    ckpt, engine = quantized(method, kv, group)
+    fake, full = load_quantized(ckpt), load_quantized(quantized()[0])
+    recorded: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    fake_kv = fake.hooks.kv_cache
+
+    def record_kv(layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        recorded[layer] = (k, v)
+        return fake_kv(layer, k, v)
+
+    fake.hooks.kv_cache = record_kv
+    got, expected, floats, flipped, codes = [], [], [], 0, 0
     for seed in (6, 7, 8):
         ids = torch.randint(0, engine.vocab_size, (70,), generator=torch.Generator().manual_seed(seed)).tolist()
-        got.append(torch.from_numpy(run_alone(engine, ids)))
+        logits, pool, table = run_with_pool(engine, ids)
+        got.append(torch.from_numpy(logits))
         expected.append(fake.forward(torch.tensor([ids]))[0])
         floats.append(full.forward(torch.tensor([ids]))[0])
+        positions = torch.arange(len(ids))
+        blocks, slots = torch.tensor(table)[positions // TPB], positions % TPB
+        for layer, (k, v) in recorded.items() if fake.hooks.kv_kind else ():
+            i = int(layer.rsplit(".", 1)[1])
+            for j, x in enumerate((k, v)):  # x [1, kv heads, tokens, head size]
+                reference = _kv_codes(x[0].transpose(0, 1), fake.hooks.kv_scales[layer], fake.hooks.kv_kind)
+                flipped += int((pool[i][blocks, j, :, slots].view(torch.uint8) != reference).sum())
+                codes += reference.numel()
     g, e, f = torch.cat(got), torch.cat(expected), torch.cat(floats)
-    if method in ("w8a8_sq", "fp8"):  # quantizers at run time
-        assert _kld(e, g).mean() < 0.1 * _kld(f, e).mean()
-        assert (g.argmax(-1) == e.argmax(-1)).double().mean() >= 0.95
-    else:
+    ops = {n.op_type for n in onnx.load(str(engine.spec.engine_dir / "model.onnx")).graph.node}
+    assert "DequantizeLinear" in ops and ("QuantizeLinear" in ops) == (method in RUN_TIME)
+    if method not in RUN_TIME:
         assert (g - e).abs().max() < 1e-4
         assert torch.equal(g.argmax(-1), e.argmax(-1))
-    ops = {n.op_type for n in onnx.load(str(tmp_path / "engine" / "model.onnx")).graph.node}
-    assert "DequantizeLinear" in ops and ("QuantizeLinear" in ops) == (method in ("w8a8_sq", "fp8"))
+        return
+    geometry = engine.spec.kv_cache
+    assert codes == 3 * 70 * 2 * geometry.num_layers * geometry.num_kv_heads * geometry.head_size
+    assert flipped <= 0.1 * codes, f"{flipped} of {codes} KV codes differ from the reference's"
+    assert _kld(e, g).mean() < 0.1 * _kld(f, e).mean()
+    assert (g.argmax(-1) == e.argmax(-1)).double().mean() >= 0.95
 
 
 def test_build_is_deterministic_and_checked(gqa_engine: OrtEngine, make_llama: Any, tmp_path: Path) -> None:
@@ -276,3 +417,22 @@ def test_half_precision_graph_is_valid_and_norms_in_float32(make_llama: Any, tmp
     types = {v.name: v.type.tensor_type.elem_type for v in inferred.graph.value_info}
     assert types["transformer.layers.0.input_layernorm.out.square"] == onnx.TensorProto.FLOAT
     assert types["transformer.layers.0.attention.qkv.out"] == onnx.TensorProto.FLOAT16
+
+
+def test_ort_threads_follow_the_environment(gqa_engine: OrtEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRTBUILD_ORT_THREADS pins ONNX Runtime's intra-op threads (the numerics tests run under 1 and 2 as a check
+    that no result depends on the kernels' split); anything but a positive count is refused naming the variable."""
+    from toolchain.engine.ort_backend import THREADS_ENV, OrtEngine, available_cores, ort_threads
+    from toolchain.errors import UserError
+
+    monkeypatch.delenv(THREADS_ENV, raising=False)
+    assert ort_threads() == available_cores() and ort_threads(3) == 3
+    monkeypatch.setenv(THREADS_ENV, "1")
+    assert ort_threads() == 1 and ort_threads(3) == 3
+    engine = OrtEngine(gqa_engine.spec)
+    sessions = [s.session for s in engine.steps if hasattr(s, "session")]
+    assert sessions and all(s.get_session_options().intra_op_num_threads == 1 for s in sessions)
+    for bad in ("0", "-2", "two", "1.5"):
+        monkeypatch.setenv(THREADS_ENV, bad)
+        with pytest.raises(UserError, match=f"{THREADS_ENV}={bad!r}"):
+            ort_threads()

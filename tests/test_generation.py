@@ -437,7 +437,7 @@ def test_partial_prefills_holding_every_block_do_not_deadlock() -> None:
     from toolchain.runtime.scheduler import Scheduler
 
     blocks = BlockManager(4, 4)
-    sched = Scheduler(blocks, max_batch_size=4, max_num_tokens=16, max_seq_len=64)
+    sched = Scheduler(blocks, max_batch_size=4, max_num_tokens=16)
     a, b = Request(list(range(3, 15))), Request(list(range(20, 32)))  # 12 prompt tokens: 3 blocks each
     for r in (a, b):  # each prefilled 8 of 12 tokens into 2 blocks: the pool is full, neither can go on
         r.blocks, r.num_computed, r.status = [blocks.allocate(), blocks.allocate()], 8, Status.RUNNING

@@ -3,6 +3,7 @@ and no warning (the CI gate), and the test vectors still say what the reference 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -11,8 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import one_line_error
 
 from toolchain.engine.ops import AttentionAttrs, kv_cache_write, paged_attention
+from toolchain.errors import UserError
+from toolchain.plugins import compile as plugin_compile
 from toolchain.plugins.compile import ARCHS, compile_plugins
 
 VECTORS = sorted((Path(__file__).parent / "vectors").glob("*.npz"))
@@ -21,10 +25,9 @@ POOL = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8, "int8"
 
 
 @pytest.fixture(scope="module")
-def build_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("plugins")
-    compile_plugins(ARCHS, out)
-    return out
+def build_dir(plugin_cache: Path) -> Path:
+    compile_plugins(ARCHS, plugin_cache)  # NVRTC runs only for a source, SM or compiler not compiled before
+    return plugin_cache
 
 
 def test_every_kernel_compiles_for_every_sm_without_spills(build_dir: Path, cli: Any) -> None:
@@ -40,11 +43,36 @@ def test_every_kernel_compiles_for_every_sm_without_spills(build_dir: Path, cli:
     assert all(b["cached"] for b in info["archs"].values())  # cached by source hash: nothing recompiled
 
 
-def test_compiling_leaves_the_interpreter_intact(tmp_path: Path) -> None:
+def test_compiling_leaves_the_interpreter_intact() -> None:
     """NVRTC writes into the buffers it is given; an empty log once overwrote Python's cached b" " object,
-    which then corrupted every safetensors header padded afterwards in the same process."""
-    compile_plugins(("sm_80",), tmp_path)  # not cached here: NVRTC really runs
+    which then corrupted every safetensors header padded afterwards in the same process. A kernel that compiles
+    without a word gives that empty log (a one-byte buffer), through the same NVRTC call as the plugins."""
+    ptx, log = plugin_compile._compile_one(
+        b'extern "C" __global__ void k(int* x) { *x = 1; }', "tiny.cu", ["--gpu-architecture=compute_80"]
+    )
+    assert log == "" and b".entry k" in ptx  # NVRTC really ran and its log was empty
     assert bytes([0x20]) == b" " * 1 and bytes([0x20] * 3) == b" " * 3
+
+
+@pytest.mark.parametrize("arch", ["sm_75", "sm_70", "sm_8", "sm_999"])
+def test_an_unsupported_sm_is_refused_in_one_line_naming_the_supported_ones(
+    arch: str, cli: Any, tmp_path: Path
+) -> None:
+    line = one_line_error(cli("plugins", "compile", "--arch", f"sm_90,{arch}", "--out", tmp_path / "out"))
+    assert f"--arch {arch}" in line and "sm_80 and newer" in line
+    assert re.search(r"sm_80, sm_86, .*sm_89, sm_90", line), line
+    assert not (tmp_path / "out").exists()  # refused before anything was compiled or written
+
+
+def test_compile_errors_name_the_plugin_file_and_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    lines = (plugin_compile.PLUGIN_DIR / "attention.cu").read_text().splitlines()
+    lines[19] = "int not_a_device_variable = undefined_name;"  # line 20
+    (tmp_path / "attention.cu").write_text("\n".join(lines))
+    monkeypatch.setattr(plugin_compile, "PLUGIN_DIR", tmp_path)
+    with pytest.raises(UserError, match=r"plugins/attention\.cu: compilation failed for compute_80") as e:
+        compile_plugins(("sm_80",), tmp_path / "out")
+    assert "plugins/attention.cu(20): error" in str(e.value)
+    assert not list((tmp_path / "out").iterdir())  # nothing cached from a failed compile
 
 
 def _unbits(array: np.ndarray, kind: str) -> torch.Tensor:
@@ -112,3 +140,54 @@ def test_launch_refuses_what_no_kernel_does() -> None:
         launch.attention_kernel(AttentionAttrs(**{**a.__dict__, "kv_cache_dtype": "float16"}), "float16")
     with pytest.raises(ValueError, match="no kernel"):
         launch.kv_write_kernel(AttentionAttrs(**{**a.__dict__, "kv_cache_dtype": "bfloat16"}), "float16")
+
+
+def _gpu_check() -> Any:
+    path = Path(__file__).resolve().parents[1] / "plugins" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
+def test_gpu_check_launches_what_the_compiled_kernels_take(path: Path, build_dir: Path) -> None:
+    """plugins/gpu_check.py (run on a lent GPU) launches through launch.py, as TensorRT's registration does: run
+    here on CPU with a stand-in that records each launch, every kernel it names exists in the PTX and takes
+    exactly the pointers and int32 scalars it is given, in that order, with the block launch.py declares."""
+    import ctypes
+
+    from toolchain.plugins import launch
+
+    gpu_check = _gpu_check()
+    ptx = next(build_dir.glob("plugins-sm_90-*.ptx")).read_text()
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.torch, self.calls = torch, []
+
+        def launch(self, name: str, grid: tuple[int, int, int], args: list[tuple[Any, Any]]) -> None:
+            self.calls.append((name, grid, ["u64" if t is ctypes.c_void_p else "u32" for _, t in args]))
+
+    data = dict(np.load(path))
+    meta = json.loads(str(data["attrs"]))
+    attrs = AttentionAttrs(**{k: v for k, v in meta.items() if k not in ("activation", "kv")})
+    activation = {"f16": "float16", "bf16": "bfloat16"}[meta["activation"]]
+    for splits in (1, 3):
+        rec = Recorder()
+        gpu_check.run_case(rec, data, splits, dev="cpu")
+        for name, _, params in rec.calls:
+            assert params == _entry_params(ptx, name), name
+        names = [name for name, _, _ in rec.calls]
+        tokens = data["qkv"].shape[0]
+        assert rec.calls[0][:2] == (launch.kv_write_kernel(attrs, activation), launch.kv_write_grid(tokens))
+        if splits == 1:
+            assert rec.calls[1][:2] == (
+                launch.attention_kernel(attrs, activation),
+                launch.attention_grid(attrs, tokens),
+            )
+        else:
+            assert names[1:] == [launch.attention_split_kernel(attrs, activation), launch.reduce_kernel(activation)]
+            assert rec.calls[1][1] == launch.attention_split_grid(attrs, tokens, splits)
+    assert f".maxntid {launch.BLOCK_THREADS}, 1, 1" in ptx

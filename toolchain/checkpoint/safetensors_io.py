@@ -1,8 +1,10 @@
-"""Safetensors at the byte level: a validating header reader and a streaming writer.
+"""Safetensors at the byte level: a validating header reader, a positioned tensor reader and a streaming writer.
 
-The `safetensors` package reads tensors one at a time (`safe_open`), which we use, but it only writes a whole
-dict held in memory. Conversion must not hold the model in memory, so the writer here lays out the header from
-the planned names/shapes/dtypes first and then streams each tensor's bytes. Format (huggingface/safetensors
+The `safetensors` package memory-maps a file to read it (`safe_open`), and every page it touches counts towards
+the process's RSS; it writes only a whole dict held in memory. Conversion must not hold the model in memory, so
+we use neither: `read_header` validates the header (one line naming the damage), `read_tensor` reads one tensor
+with `pread` into a fresh buffer, and the writer lays out the header from the planned names/shapes/dtypes first
+and then streams each tensor's bytes. Format (huggingface/safetensors
 README): u64 little-endian header length N, N bytes of JSON header {name: {dtype, shape, data_offsets}},
 optional "__metadata__" of str->str, then the data buffer; offsets are relative to the buffer start.
 """

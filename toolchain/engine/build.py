@@ -41,7 +41,6 @@ class BuildOptions:
     max_num_tokens: int = 2048
     max_seq_len: int = 0  # 0: the model's max_position_embeddings
     tokens_per_block: int = 16
-    num_blocks: int = 0  # KV pool blocks; 0: enough for max_batch_size sequences of max_seq_len
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -51,8 +50,8 @@ class BuildOptions:
         for name in ("max_batch_size", "max_num_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1")
-        if self.max_seq_len < 0 or self.num_blocks < 0:
-            raise UserError("max_seq_len and num_blocks must be positive (or 0 for the default)")
+        if self.max_seq_len < 0:
+            raise UserError("max_seq_len must be positive (or 0 for the model's max_position_embeddings)")
 
 
 def _choose_backend(requested: str, record: StageRecord) -> str:
@@ -95,7 +94,7 @@ def build_engine(
         max_num_tokens=opts.max_num_tokens,
         max_seq_len=max_seq_len,
         tokens_per_block=opts.tokens_per_block,
-        num_blocks=opts.num_blocks or opts.max_batch_size * per_seq,
+        num_blocks=opts.max_batch_size * per_seq,  # the pool: max_batch_size sequences of max_seq_len
     )
     console.info(
         f"exporting {cfg.architecture} ({cfg.num_hidden_layers} layers) to ONNX in {dtype}".replace("torch.", "")

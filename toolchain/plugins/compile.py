@@ -1,11 +1,15 @@
 """`trtbuild plugins compile`: the CUDA sources in plugins/ -> PTX and cubin per target SM, through NVRTC
 (cuda-python's `cuda.bindings.nvrtc`; no GPU needed), with each kernel's registers, spills and shared memory from
-ptxas' verbose report. Results are cached by a hash of the source, the options and the NVRTC version."""
+ptxas' verbose report. Results are cached by a hash of the source, the options and the NVRTC version.
+
+Each source goes in behind a `#line 1 "plugins/NAME.cu"` directive, so NVRTC's errors and warnings (and the PTX's
+line info) name the file and line they come from."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -17,6 +21,7 @@ from toolchain.errors import UserError
 PLUGIN_DIR = Path(__file__).resolve().parents[2] / "plugins"
 SOURCES = ("attention.cu",)
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+MIN_SM = 80  # the kernels convert to and from bf16 with PTX cvt, which ptxas takes from sm_80 on
 OPTIONS = ("-std=c++17", "--use_fast_math", "-lineinfo")
 
 _RESOURCES = re.compile(
@@ -69,6 +74,42 @@ def nvrtc_version() -> str:
     return f"{result[1]}.{result[2]}"
 
 
+def supported_archs() -> list[str]:
+    """The SMs the plugins compile for with this NVRTC: every real SM it knows from MIN_SM on."""
+    result = _nvrtc().nvrtcGetSupportedArchs()
+    _check(result, "supported archs")
+    return [f"sm_{a}" for a in result[1] if a >= MIN_SM]
+
+
+def check_archs(archs: tuple[str, ...]) -> None:
+    """Refuse, in one line naming the supported SMs, any target below MIN_SM or unknown to this NVRTC."""
+    supported = supported_archs()
+    for arch in archs:
+        if arch not in supported:
+            why = "is not of the form sm_XX" if not re.fullmatch(r"sm_\d{2,3}", arch) else "is not supported"
+            raise UserError(
+                f"--arch {arch} {why}: the plugins compile for sm_{MIN_SM} and newer; with NVRTC {nvrtc_version()}: "
+                f"{', '.join(supported)}"
+            )
+
+
+def _source() -> bytes:
+    """The plugin sources as one NVRTC program, each behind a #line directive naming its file."""
+    parts = [f'#line 1 "plugins/{name}"\n'.encode() + (PLUGIN_DIR / name).read_bytes() for name in SOURCES]
+    return b"\n".join(parts)
+
+
+def _program_name() -> str:
+    return f"plugins/{SOURCES[0]}" if len(SOURCES) == 1 else "plugins/*.cu"
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write through a temporary sibling and rename: a concurrent reader of the cache sees all or nothing."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
 def _compile_one(source: bytes, name: str, options: list[str]) -> tuple[bytes, str]:
     """(PTX or cubin bytes, log) for one NVRTC program; cubin when the options target a real sm_XX."""
     nvrtc = _nvrtc()
@@ -84,7 +125,7 @@ def _compile_one(source: bytes, name: str, options: list[str]) -> tuple[bytes, s
         nvrtc.nvrtcGetProgramLog(prog, buf)
         log = bytes(buf).rstrip(b"\x00 ").decode(errors="replace")
         if int(err) != 0:
-            raise UserError(f"{name}: compilation failed for {options[0]}:\n{log}")
+            raise UserError(f"{name}: compilation failed for {options[0].split('=')[-1]}:\n{log}")
         real = any(o.startswith("--gpu-architecture=sm_") for o in options)
         if real:
             size = _check(nvrtc.nvrtcGetCUBINSize(prog), "cubin size")
@@ -122,12 +163,10 @@ def _warnings(log: str) -> list[str]:
 
 
 def compile_plugins(archs: tuple[str, ...] = ARCHS, out_dir: Path | None = None) -> list[ArchBuild]:
+    check_archs(archs)
     out_dir = out_dir or PLUGIN_DIR / "build"
     out_dir.mkdir(parents=True, exist_ok=True)
-    for arch in archs:
-        if not re.fullmatch(r"sm_\d{2,3}", arch):
-            raise UserError(f"--arch {arch}: expected sm_XX such as sm_80 or sm_90")
-    source = b"\n".join((PLUGIN_DIR / s).read_bytes() for s in SOURCES)
+    source, name = _source(), _program_name()
     version = nvrtc_version()
     builds = []
     for arch in archs:
@@ -140,15 +179,13 @@ def compile_plugins(archs: tuple[str, ...] = ARCHS, out_dir: Path | None = None)
             continue
         console.info(f"compiling {', '.join(SOURCES)} for {arch} (NVRTC {version})")
         compute = arch.replace("sm_", "compute_")
-        ptx_bytes, ptx_log = _compile_one(source, "plugins.cu", [f"--gpu-architecture={compute}", *OPTIONS])
-        cubin_bytes, log = _compile_one(
-            source, "plugins.cu", [f"--gpu-architecture={arch}", *OPTIONS, "--ptxas-options=-v"]
-        )
+        ptx_bytes, ptx_log = _compile_one(source, name, [f"--gpu-architecture={compute}", *OPTIONS])
+        cubin_bytes, log = _compile_one(source, name, [f"--gpu-architecture={arch}", *OPTIONS, "--ptxas-options=-v"])
         kernels = parse_resources(log)
         warnings = sorted(set(_warnings(ptx_log) + _warnings(log)))
-        ptx.write_bytes(ptx_bytes.rstrip(b"\x00 "))
-        cubin.write_bytes(cubin_bytes)
-        meta.write_text(json.dumps({"kernels": [asdict(k) for k in kernels], "warnings": warnings}, indent=2))
+        _write(ptx, ptx_bytes.rstrip(b"\x00 "))
+        _write(cubin, cubin_bytes)
+        _write(meta, json.dumps({"kernels": [asdict(k) for k in kernels], "warnings": warnings}, indent=2).encode())
         builds.append(ArchBuild(arch, ptx, cubin, kernels, warnings, cached=False))
     return builds
 

@@ -1,6 +1,8 @@
 """How each plugin op becomes one kernel launch: kernel name, grid and the int32 scalar arguments, in the order the
 kernels in plugins/attention.cu take them (inputs, scalars, outputs). Pure functions over dims that may be ints or
-TensorRT's symbolic expressions (anything with + * and //), so TensorRT's registration and the tests share them."""
+TensorRT's symbolic expressions (anything with + * and //), so TensorRT's registration, the tests and the GPU check
+(plugins/gpu_check.py) share them. The split-K attention (`*_split` + reduce) is not launched by the registration
+(one kernel per plugin); the GPU check runs it, described here beside the launch it splits."""
 
 from __future__ import annotations
 
@@ -62,6 +64,11 @@ def kv_write_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_bloc
     return [*_common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks), *rotary, float_bits(a.kv_scale)]
 
 
+def kv_write_grid(num_tokens: Any) -> tuple[Any, int, int]:
+    """One block per new token."""
+    return num_tokens, 1, 1
+
+
 def attention_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
     common = _common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks)
     return [*common, a.sliding_window, float_bits(a.kv_scale)]
@@ -77,3 +84,19 @@ def attention_grid(a: AttentionAttrs, num_tokens: Any) -> tuple[Any, int, int]:
 def output_width(a: AttentionAttrs) -> int:
     """Both ops output [num_tokens, heads * head_size]."""
     return a.num_heads * a.head_size
+
+
+def attention_split_kernel(a: AttentionAttrs, activation: str) -> str:
+    """The split-K variant of `attention_kernel`: grid z splits the keys; it takes `splits` after the scalars and
+    writes partial outputs and (max, sum) pairs, which `reduce_kernel` combines."""
+    return f"{attention_kernel(a, activation)}_split"
+
+
+def attention_split_grid(a: AttentionAttrs, num_tokens: Any, splits: int) -> tuple[Any, int, int]:
+    x, y, _ = attention_grid(a, num_tokens)
+    return x, y, splits
+
+
+def reduce_kernel(activation: str) -> str:
+    """Combines the split-K partials: grid (tokens * heads), scalars (tokens, heads, head_size, splits)."""
+    return f"trtbuild_attention_reduce_{ACTIVATIONS[activation]}"

@@ -113,7 +113,7 @@ def _kv_write_impl(
     a = _attrs("KVCacheWrite", dict(locals()))
     name = launch.kv_write_kernel(a, _DTYPES[qkv.dtype])
     params = trtp.KernelLaunchParams()
-    params.grid_x = qkv.shape_expr[0]  # one block per new token
+    params.grid_x, params.grid_y, params.grid_z = launch.kv_write_grid(qkv.shape_expr[0])
     params.block_x = launch.BLOCK_THREADS
     params.shared_mem = 0
     scalars = launch.kv_write_scalars(

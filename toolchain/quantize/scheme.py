@@ -1,6 +1,7 @@
 """Which modules a quantized checkpoint quantizes, and how their tensors are named, shaped and read back.
 
-Layout (docs/quantization.md; facts in docs/research/trtllm-quantized-layouts.md), per quantized linear PREFIX:
+Layout (TensorRT-LLM's, read from its sources in docs/research/trtllm-quantized-layouts.md; how the engine graph
+reads it: docs/engine.md), per quantized linear PREFIX:
 - W8A16: PREFIX.weight int8 [out, in]; PREFIX.weights_scaling_factor float32 [out] (per output channel).
 - W4A16: PREFIX.weight int8 [out/2, in'] — int4 codes packed two output rows per byte, row 2j in the low nibble —
   and PREFIX.weights_scaling_factor float32 [out, in'/group]; in' = in rounded up to a multiple of the group, the

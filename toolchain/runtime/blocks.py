@@ -1,5 +1,5 @@
 """The paged KV cache's block manager: allocation with reference counts, prefix sharing by chained hashes of full
-blocks, copy-on-write, and a free-block watermark.
+blocks, and a free-block watermark.
 
 A full block's hash chains its parent's: h_i = blake2b(h_{i-1} || token ids of block i), a cryptographic hash, so
 that no client can craft a prompt whose blocks collide with another tenant's. Each request keeps its chain and
@@ -8,8 +8,9 @@ before reuse: the cached block's own tokens must equal the request's, and its re
 just matched (in its current generation: a block reallocated since is a different parent). A hash collision
 therefore costs a cache miss, never another sequence's KV.
 
-Full blocks are immutable once computed; a block whose last user is gone goes back to the free list but keeps its
-contents and hash until it is handed out again, so a later request with the same prefix can take it back.
+Full blocks are immutable once computed: only full blocks are shared, and a sharer always computes at least one
+token past them, so no copy-on-write is needed. A block whose last user is gone goes back to the free list but keeps
+its contents and hash until it is handed out again, so a later request with the same prefix can take it back.
 """
 
 from __future__ import annotations
@@ -127,14 +128,3 @@ class BlockManager:
             self.block_of[h] = block
             self.cached[block] = _Cached(h, tuple(tokens[i * t : (i + 1) * t]), parent)
         return full
-
-    def ensure_writable(self, blocks: list[int], index: int) -> tuple[int, int] | None:
-        """Copy-on-write: if block `index` of this table is shared, give the table a private copy. Returns
-        (source, destination) for the caller to copy in the pool, or None when the block was private already."""
-        block = blocks[index]
-        if self.refcount[block] <= 1:
-            return None
-        fresh = self.allocate()
-        self.refcount[block] -= 1
-        blocks[index] = fresh
-        return block, fresh

@@ -34,13 +34,12 @@ class Scheduler:
         blocks: BlockManager,
         max_batch_size: int,
         max_num_tokens: int,
-        max_seq_len: int,
         policy: str = "max_utilization",
     ):
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.blocks, self.policy = blocks, policy
-        self.max_batch_size, self.max_num_tokens, self.max_seq_len = max_batch_size, max_num_tokens, max_seq_len
+        self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens  # sequence length: check_request
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preempted = 0
