@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from toolchain.engine.api import EngineSpec, KVCacheSpec, Limits
+from toolchain.engine.api import EngineSpec, KVCacheSpec, Limits, StepTokens, tokens_on_host
 from toolchain.engine.contract import Batch
 
 VOCAB = 320  # as the tiny model's byte-level tokenizer: 3 specials + 256 bytes fit
@@ -86,6 +86,9 @@ class FakeEngine:
 
     def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
         return torch.zeros(self.spec.kv_cache.pool_shape(num_blocks), dtype=torch.float32)
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        return tokens_on_host(self.forward(batch, kv_cache), sampled)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
         if self.broken:

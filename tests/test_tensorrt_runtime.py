@@ -221,6 +221,19 @@ def test_binds_every_contract_tensor_by_name_and_the_pool_once_per_pool(fake: An
     assert len(fake.contexts) == 1
 
 
+def test_forward_tokens_reduces_where_the_logits_are_and_sends_only_sampled_rows(fake: Any, spec: EngineSpec) -> None:
+    engine = TrtEngine(spec, device="cpu", stream=FakeStream(fake.calls))
+    pool = engine.new_kv_cache(BLOCKS)
+    batch = Batch.from_sequences([[1, 2, 3], [4]], [0, 5], [[0], [1, 2]])
+    logits = engine.forward(batch, pool)
+    step = engine.forward_tokens(batch, pool, [1])
+    np.testing.assert_array_equal(step.greedy, logits.argmax(axis=1))
+    assert set(step.rows) == {1}
+    np.testing.assert_array_equal(step.rows[1], logits[1])
+    assert fake.calls[-2:] == [("execute", 7), ("synchronize",)]
+    assert engine.forward_tokens(batch, pool, []).rows == {}
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [

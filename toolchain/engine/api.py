@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -210,6 +210,22 @@ class Engine(Protocol):
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
         """Run one packed batch; the new tokens' K/V land in `kv_cache` in place. -> logits [outputs, vocab]."""
         ...
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        """`forward` for the runtime: every output row's greedy token, reduced where the logits live (on the GPU
+        for TensorRT: a batch of 256 x 32000 float32 logits is 33 MB that need not cross to the host), and the full
+        logits of the `sampled` output rows only (temperature > 0, sampled on the host)."""
+        ...
+
+
+class StepTokens(NamedTuple):
+    greedy: np.ndarray  # [outputs] int64: the argmax of each logits row (first index among equal maxima)
+    rows: dict[int, np.ndarray]  # output row -> its logits [vocab], for the rows asked for
+
+
+def tokens_on_host(logits: np.ndarray, sampled: Sequence[int]) -> StepTokens:
+    """`Engine.forward_tokens` for backends whose logits are on the host already (the CPU engine, test fakes)."""
+    return StepTokens(logits.argmax(axis=1), {i: logits[i] for i in sampled})
 
 
 def _open_onnxruntime(spec: EngineSpec) -> Engine:

@@ -10,6 +10,7 @@ pool is an input the plugins update in place, as a TensorRT engine's pool bindin
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import onnx
 import torch
 from onnx import helper
 
-from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec
+from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, StepTokens, tokens_on_host
 from toolchain.engine.contract import PLUGIN_DOMAIN, Batch
 from toolchain.engine.ops import OPS, AttentionAttrs
 from toolchain.errors import UserError
@@ -50,6 +51,22 @@ def available_cores() -> int:
     except (OSError, ValueError):
         pass
     return cores
+
+
+THREADS_ENV = "TRTBUILD_ORT_THREADS"
+
+
+def ort_threads(requested: int = 0) -> int:
+    """ONNX Runtime's intra-op threads: `requested` when given, else $TRTBUILD_ORT_THREADS (to pin the thread
+    count, e.g. to check that results do not depend on it), else every core this process may use."""
+    if requested:
+        return requested
+    value = os.environ.get(THREADS_ENV, "").strip()
+    if not value:
+        return available_cores()
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"{THREADS_ENV}={value!r}: expected a whole number of threads, 1 or more (or unset it)")
+    return int(value)
 
 
 def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -99,7 +116,7 @@ class OrtEngine:
         parts = _split(model)
         graph_outputs = {o.name for o in model.graph.output}
         options = ort.SessionOptions()
-        options.intra_op_num_threads = threads or available_cores()
+        options.intra_op_num_threads = ort_threads(threads)
         # one session per segment: idle thread pools must sleep, not spin, or they starve the next segment and
         # the reference ops between them (bench/engine.py on 2 cores: decode 13x, prefill 6x slower when they spin)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
@@ -174,6 +191,9 @@ class OrtEngine:
             return self._forward(batch, kv_cache)
         finally:
             torch.set_num_threads(threads)
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        return tokens_on_host(self.forward(batch, kv_cache), sampled)
 
     def _forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
         kv = self.spec.kv_cache

@@ -13,6 +13,7 @@ plan is only checked to expose exactly the contract's tensors.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from toolchain.engine import tensorrt_backend
-from toolchain.engine.api import EngineSpec
+from toolchain.engine.api import EngineSpec, StepTokens
 from toolchain.engine.contract import CONTRACT_VERSION, INPUTS, OUTPUTS, Batch
 from toolchain.errors import UserError
 
@@ -120,18 +121,35 @@ class TrtEngine:
         return torch.zeros(kv.pool_shape(num_blocks), dtype=kv.storage_dtype, device=self.device)
 
     def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
-        self._check(batch, kv_cache)
         with self._on_stream():
-            self._bind_pool(kv_cache)
-            # kept referenced until the stream is synchronized: TensorRT reads them asynchronously
-            inputs = [self._bind_input(name, array) for name, array in batch.feeds().items()]
-            logits = torch.empty((len(batch.logits_index), self.vocab_size), dtype=LOGITS_DTYPE, device=self.device)
-            self._set_address("logits", logits)
-            if not self._context.execute_async_v3(self._stream.cuda_stream):
-                raise RuntimeError(f"{self.spec.engine_dir}: TensorRT could not enqueue the engine (see its log)")
+            logits, inputs = self._enqueue(batch, kv_cache)
         self._stream.synchronize()
         del inputs
         return logits.cpu().numpy()
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        """Greedy ids reduced on the GPU; only the sampled rows' logits cross to the host."""
+        rows = list(sampled)
+        with self._on_stream():
+            logits, inputs = self._enqueue(batch, kv_cache)
+            greedy = logits.argmax(dim=1).to("cpu", non_blocking=True)
+            picked = logits[rows].to("cpu", non_blocking=True)
+        self._stream.synchronize()
+        del inputs
+        host = picked.numpy()
+        return StepTokens(greedy.numpy(), {row: host[j] for j, row in enumerate(rows)})
+
+    def _enqueue(self, batch: Batch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Bind and enqueue one batch on the engine's stream -> (logits on the GPU, the inputs to keep alive until
+        the stream is synchronized: TensorRT reads them asynchronously)."""
+        self._check(batch, kv_cache)
+        self._bind_pool(kv_cache)
+        inputs = [self._bind_input(name, array) for name, array in batch.feeds().items()]
+        logits = torch.empty((len(batch.logits_index), self.vocab_size), dtype=LOGITS_DTYPE, device=self.device)
+        self._set_address("logits", logits)
+        if not self._context.execute_async_v3(self._stream.cuda_stream):
+            raise RuntimeError(f"{self.spec.engine_dir}: TensorRT could not enqueue the engine (see its log)")
+        return logits, inputs
 
     def _check(self, batch: Batch, kv_cache: torch.Tensor) -> None:
         kv = self.spec.kv_cache

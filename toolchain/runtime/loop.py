@@ -41,9 +41,7 @@ class Runtime:
         self.limits = limits or engine.spec.limits
         blocks = num_blocks or self.limits.num_blocks
         self.blocks = BlockManager(blocks, engine.tokens_per_block, watermark, prefix_sharing)
-        self.scheduler = Scheduler(
-            self.blocks, self.limits.max_batch_size, self.limits.max_num_tokens, self.limits.max_seq_len, policy
-        )
+        self.scheduler = Scheduler(self.blocks, self.limits.max_batch_size, self.limits.max_num_tokens, policy)
         self.pool = engine.new_kv_cache(blocks)
         self.requests: dict[str, Request] = {}  # live requests only
         self.record_utilization = record_utilization
@@ -185,7 +183,8 @@ class Runtime:
         batch = Batch.from_sequences(
             [s.tokens for s in scheduled], [s.context_len for s in scheduled], [s.request.blocks for s in scheduled]
         )
-        logits = self.engine.forward(batch, self.pool)
+        sampled = [i for i, s in enumerate(scheduled) if s.request.params.temperature != 0]
+        step = self.engine.forward_tokens(batch, self.pool, sampled)
         self.steps += 1
         tpb = self.blocks.tokens_per_block
         for i, s in enumerate(scheduled):
@@ -199,11 +198,9 @@ class Runtime:
                 )
             if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
                 continue
-            row = logits[i]
-            # greedy: numpy's per-row argmax is the fast one (axis=1 over a 2-D array takes a slower generic path)
             try:
                 greedy = request.params.temperature == 0
-                token = int(row.argmax()) if greedy else sample(row, request.params, request.generator)
+                token = int(step.greedy[i]) if greedy else sample(step.rows[i], request.params, request.generator)
             except (RuntimeError, ValueError) as e:  # this request's logits or parameters: not the batch's problem
                 self._retire(request, Status.FAILED, "error", f"sampling failed: {e}")
                 ended.append(request)
