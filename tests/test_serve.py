@@ -406,9 +406,23 @@ def test_a_full_queue_gives_429_and_costs_no_rate_limit(one_at_a_time: Path, key
         readers[1].start()
         wait_until(lambda: small.state.llm.runtime.num_waiting == 1, "the second request to wait")
         short = {**greedy(2), "prompt": "no room"}
-        for key in ("alice", "slow", "slow"):  # `slow` may make 2 requests a minute: refusals must not count
-            full = post(small.url, short, KEYS[key])
-            assert error_of(full, 429)["type"] == "overloaded" and int(full.headers["Retry-After"]) >= 1
+        # hold the step loop while the queue is full: on a busy machine the first request could otherwise finish
+        # and the second leave the queue between two of these posts (the queue check itself needs no loop)
+        hold, observe = threading.Event(), small.state.llm.on_step
+
+        def held(rt: Any) -> None:
+            if observe is not None:
+                observe(rt)
+            hold.wait(TIMEOUT)
+
+        small.state.llm.on_step = held
+        try:
+            for key in ("alice", "slow", "slow"):  # `slow` may make 2 requests a minute: refusals must not count
+                full = post(small.url, short, KEYS[key])
+                assert error_of(full, 429)["type"] == "overloaded" and int(full.headers["Retry-After"]) >= 1
+        finally:
+            small.state.llm.on_step = observe
+            hold.set()
         for reader in readers:
             reader.join(TIMEOUT)
         assert [(s.finish, s.usage["completion_tokens"]) for s in (first, second)] == [("length", 100)] * 2
