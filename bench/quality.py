@@ -1,6 +1,9 @@
-"""Quality cost of every quantization method x group size on stories260K, over WikiText-2 test (>= 50K tokens).
+"""Quality cost of every quantization method x group size on stories260K, calibrated on WikiText-2 valid.txt and
+evaluated on held-out text (WikiText-2 test: other articles; the stage refuses the calibration file as eval data).
 
 python bench/quality.py              # prints a markdown table (or --json); figures go to docs/quality.md
+python bench/quality.py --methods w4a16,w4a16_awq --eval-data ../shared/data/wikitext-2/wiki.test.raw \
+    --eval-tokens 30000             # the int4 rows on raw text
 """
 
 from __future__ import annotations
@@ -41,13 +44,15 @@ def main() -> None:
     ap.add_argument("--eval-data", type=Path, default=DATA / "wikitext-2" / "test.txt")
     ap.add_argument("--calib-data", type=Path, default=DATA / "wikitext-2" / "valid.txt")
     ap.add_argument("--eval-tokens", type=int, default=60_000)
+    ap.add_argument("--methods", help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    configs = [c for c in CONFIGS if not args.methods or c[0] in args.methods.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         ckpt = Path(work) / "ckpt"
         convert(args.model, ckpt)
-        for method, group, kv in CONFIGS:
+        for method, group, kv in configs:
             opts = QuantizeOptions(method, kv, group, calib_data=args.calib_data, calib_samples=64, calib_seq_len=256)
             start = time.perf_counter()
             out = Path(work) / f"{method}-{group}-{kv}"
@@ -64,7 +69,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"stories260K, {rows[0]['tokens']:,} tokens of {args.eval_data.name} in {rows[0]['windows']} windows of 256")
+    print(
+        f"stories260K, calibrated on 64 x 256 tokens of {args.calib_data.name}, evaluated on {rows[0]['tokens']:,} "
+        f"tokens of {args.eval_data.name} in {rows[0]['windows']} windows of 256"
+    )
     print("| method | group | KV cache | PPL ratio | mean KLD | KLD p99 | same top-1 | RMS Δp |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
     for r in rows:

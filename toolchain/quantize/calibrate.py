@@ -1,7 +1,8 @@
 """Calibration: run sample windows of text through the reference forward and record, per linear layer, the
-largest |input| overall and per input channel (activation scales, SmoothQuant), the mean |input| per channel and a
-bounded sample of input rows (AWQ), and per attention layer the largest |k| and |v| as the KV cache
-stores them (after rotary). Only running statistics and a bounded row sample are kept, never all activations."""
+largest |input| overall and per input channel (activation scales, SmoothQuant), the mean |input| per channel over
+every calibration token and a bounded sample of input rows spread evenly over all of them (AWQ's searches), and per
+attention layer the largest |k| and |v| as the KV cache stores them (after rotary). Only running statistics and a
+bounded row sample are kept, never all activations."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from toolchain.errors import UserError
 from toolchain.reference.model import Hooks, ReferenceModel
 
-SAMPLE_ROWS = 2048  # input rows kept per linear for AWQ's search: bounded, whatever the calibration size
+SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's searches: bounded, whatever the calibration size
 
 
 @dataclass
@@ -23,6 +24,12 @@ class Calibration:
     input_abs_sum: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> sum over tokens of |x_c|
     tokens: dict[str, int] = field(default_factory=dict)
     input_sample: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> up to SAMPLE_ROWS rows of x
+    sample_every: int = 1  # keep every n-th token's row: `for_tokens` spreads the sample over the whole calibration
+
+    @classmethod
+    def for_tokens(cls, tokens: int) -> Calibration:
+        """Statistics of `tokens` calibration tokens (per linear), the row sample taken evenly across them."""
+        return cls(sample_every=max(-(-tokens // SAMPLE_ROWS), 1))
 
     def mean_abs(self, prefix: str) -> torch.Tensor:
         return self.input_abs_sum[prefix] / self.tokens[prefix]
@@ -46,11 +53,12 @@ class Observer(Hooks):
         seen = c.input_channel_amax.get(prefix)
         c.input_channel_amax[prefix] = peak if seen is None else torch.maximum(seen, peak)
         c.input_abs_sum[prefix] = c.input_abs_sum.get(prefix, 0) + rows.abs().sum(0)
-        c.tokens[prefix] = c.tokens.get(prefix, 0) + rows.shape[0]
+        counted = c.tokens.get(prefix, 0)
+        c.tokens[prefix] = counted + rows.shape[0]
         kept = c.input_sample.get(prefix, rows[:0].float())
-        if kept.shape[0] < SAMPLE_ROWS:  # a strided pick across each batch, not just its first rows
-            step = max(rows.shape[0] // 256, 1)
-            c.input_sample[prefix] = torch.cat([kept, rows[::step][: SAMPLE_ROWS - kept.shape[0]].float()])
+        if kept.shape[0] < SAMPLE_ROWS:  # token counted + i ≡ 0 (mod sample_every): one stride over all batches
+            picked = rows[-counted % c.sample_every :: c.sample_every]
+            c.input_sample[prefix] = torch.cat([kept, picked[: SAMPLE_ROWS - kept.shape[0]].float()])
         return x
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,7 +77,7 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
 
 
 def calibrate(model: ReferenceModel, windows: torch.Tensor, batch: int = 8) -> Calibration:
-    calibration = Calibration()
+    calibration = Calibration.for_tokens(windows.numel())
     model.hooks = Observer(calibration)
     try:
         for start in range(0, windows.shape[0], batch):

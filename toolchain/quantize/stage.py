@@ -1,7 +1,7 @@
 """`trtbuild quantize`: a TensorRT-LLM checkpoint -> a quantized one, plus (optionally) its quality report.
 
-Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); AWQ input-channel
-scales (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
+Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); AWQ scale and clip
+searches (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
 KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
 
 Memory: w8a16 / w4a16 with no KV cache and no --eval-data stream, one tensor in memory at a time; the methods that
@@ -39,7 +39,7 @@ from toolchain.errors import UserError
 from toolchain.evaluate.quality import QualityReport, compare
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
-from toolchain.quantize.awq import search_scales
+from toolchain.quantize.awq import AwqChoice, quantize_awq, search_group, shared_input_groups
 from toolchain.quantize.calibrate import Calibration, Observer, calibrate, sample_windows
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
@@ -92,8 +92,14 @@ class QuantizeOptions:
 
 
 def _quantize_linear(
-    opts: QuantizeOptions, prefix: str, weight: torch.Tensor, calib: Calibration, dtype: torch.dtype
+    opts: QuantizeOptions,
+    prefix: str,
+    weight: torch.Tensor,
+    calib: Calibration,
+    dtype: torch.dtype,
+    awq: AwqChoice | None = None,
 ) -> dict[str, torch.Tensor]:
+    """One linear's tensors; `awq` is its AWQ search result (w4a16_awq only, see `_awq_choices`)."""
     if opts.method == "w8a16":
         codes, scale = quantize_per_channel(weight)
         return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
@@ -108,14 +114,17 @@ def _quantize_linear(
     if opts.method in ("w4a16", "w4a16_awq"):
         if weight.shape[0] % 2:
             raise UserError(f"{prefix}: {weight.shape[0]} output channels; int4 packing needs an even number")
-        extra: dict[str, torch.Tensor] = {}
         if opts.method == "w4a16_awq":
-            s, _, _ = search_scales(weight, calib.input_sample[prefix], calib.mean_abs(prefix), opts.group_size)
-            weight = weight.double() * s
-            extra[f"{prefix}.prequant_scaling_factor"] = (1 / s).to(dtype)
+            assert awq is not None, f"{prefix}: AWQ quantizes with its search's choice"
+            codes, scale = quantize_awq(weight, awq, opts.group_size)
+            return {
+                f"{prefix}.weight": pack_int4(codes),
+                f"{prefix}.weights_scaling_factor": scale,
+                f"{prefix}.prequant_scaling_factor": (1 / awq.scale).to(dtype),
+            }
         pad = -weight.shape[1] % opts.group_size  # zero input channels: exact whatever the input
         codes, scale = quantize_groupwise(F.pad(weight.float(), (0, pad)), opts.group_size)
-        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale, **extra}
+        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale}
     codes, scale = quantize_fp8(weight)
     act = calib.input_amax[prefix] / FP8_E4M3_MAX
     return {
@@ -123,6 +132,39 @@ def _quantize_linear(
         f"{prefix}.weights_scaling_factor": scale,
         f"{prefix}.activation_scaling_factor": torch.tensor([act if act > 0 else 1.0], dtype=torch.float32),
     }
+
+
+def _awq_choices(
+    opts: QuantizeOptions, weights: dict[str, torch.Tensor], prefixes: list[str], calib: Calibration, dtype: torch.dtype
+) -> dict[str, AwqChoice]:
+    """AWQ's searches for `prefixes`, linears that read one input sharing one scale vector (awq.py)."""
+    if opts.method != "w4a16_awq":
+        return {}
+    choices: dict[str, AwqChoice] = {}
+    for group in shared_input_groups(prefixes):
+        x, mean_abs = calib.input_sample[group[0]], calib.mean_abs(group[0])
+        choices.update(search_group({p: weights[f"{p}.weight"] for p in group}, x, mean_abs, opts.group_size, dtype))
+    return choices
+
+
+def _check_held_out(opts: QuantizeOptions, eval_data: Path | None) -> None:
+    """The quality report is only worth something on text the calibration did not see."""
+    calib = opts.calib_data
+    if (
+        eval_data is None
+        or calib is None
+        or not opts.needs_calibration
+        or not calib.is_file()
+        or not eval_data.is_file()
+    ):
+        return
+    if calib.resolve() == eval_data.resolve() or (
+        calib.stat().st_size == eval_data.stat().st_size and sha256_file(calib) == sha256_file(eval_data)
+    ):
+        raise UserError(
+            f"--calib-data and --eval-data are the same text ({eval_data}); evaluate on held-out text, "
+            "e.g. calibrate on WikiText-2 valid.txt and evaluate on test.txt"
+        )
 
 
 def _windows(source: Path, opts: QuantizeOptions) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -154,7 +196,7 @@ def _calibration(
 
 def _quantize_layerwise(
     source: Path, cfg: ModelConfig, opts: QuantizeOptions, chosen: set[str], windows: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], Calibration]:
+) -> tuple[dict[str, torch.Tensor], Calibration, dict[str, AwqChoice]]:
     """Calibrate and quantize one decoder layer at a time: the calibration windows' hidden states go through
     layer i (its float weights the only ones in memory), its statistics are recorded, and its linears are
     quantized at once. Same statistics, same order, same bytes as calibrating the whole model first."""
@@ -164,7 +206,8 @@ def _quantize_layerwise(
         i: sorted(n for n in header if n.startswith(f"transformer.layers.{i}.")) for i in range(cfg.num_hidden_layers)
     }
     in_layers = {n for names in layers.values() for n in names}
-    calib = Calibration()
+    calib = Calibration.for_tokens(windows.numel())
+    awq: dict[str, AwqChoice] = {}
     with path.open("rb") as f, torch.no_grad():
 
         def load(names: list[str]) -> dict[str, torch.Tensor]:
@@ -186,17 +229,22 @@ def _quantize_layerwise(
             if opts.method == "w8a8_sq":
                 prequant = smooth_layer(layer, prefix, calib, opts.sq_alpha, chosen)
                 layer.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
-            for linear in sorted(p for p in chosen if p.startswith(f"{prefix}.")):
-                layer.update(_quantize_linear(opts, linear, layer[f"{linear}.weight"], calib, cfg.torch_dtype))
+            linears = sorted(p for p in chosen if p.startswith(f"{prefix}."))
+            awq.update(_awq_choices(opts, layer, linears, calib, cfg.torch_dtype))
+            for linear in linears:
+                weight = layer[f"{linear}.weight"]
+                layer.update(_quantize_linear(opts, linear, weight, calib, cfg.torch_dtype, awq.get(linear)))
             for linear in [p for p in calib.input_sample if p.startswith(f"{prefix}.")]:
-                del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's search used them)
+                del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's searches used them)
             out.update(layer)
         for h, _ in batches:  # lm_head's input, as the full forward would have observed it
             model.hooks.linear_input("lm_head", model._norm(h, "transformer.ln_f"))
         model.hooks = Hooks()
         if "lm_head" in chosen:
-            out.update(_quantize_linear(opts, "lm_head", out["lm_head.weight"], calib, cfg.torch_dtype))
-    return out, calib
+            awq.update(_awq_choices(opts, out, ["lm_head"], calib, cfg.torch_dtype))
+            weight = out["lm_head.weight"]
+            out.update(_quantize_linear(opts, "lm_head", weight, calib, cfg.torch_dtype, awq.get("lm_head")))
+    return out, calib, awq
 
 
 def quantize_checkpoint(
@@ -211,6 +259,7 @@ def quantize_checkpoint(
 ) -> dict[str, Any]:
     """`stream` (default: when possible): round-to-nearest without calibration or evaluation reads, quantizes and
     writes one tensor at a time, so peak memory is one weight, not the model."""
+    _check_held_out(opts, eval_data)
     cfg = read_config(source)
     return_freed_memory()  # freed per-layer tensors go back to the OS instead of staying in malloc's arenas
     if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
@@ -234,18 +283,19 @@ def quantize_checkpoint(
     model: ReferenceModel | None = None
     if layerwise:
         windows, calib_info = _windows(source, opts)
-        out, calib = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
+        out, calib, awq = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
     else:
         # the float reference (a float32 copy of the weights) only when calibration or evaluation needs it
         model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
         calib, calib_info = _calibration(source, opts, model)
         out = weights  # quantized in place: each float weight is released once its codes replace it
+        awq = {} if stream else _awq_choices(opts, out, chosen, calib, cfg.torch_dtype)
     if opts.method == "w8a8_sq" and not layerwise:
         for i in range(cfg.num_hidden_layers):
             prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
             out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
     for prefix in [] if stream or layerwise else chosen:  # the streaming paths have quantized already
-        out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype))
+        out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype, awq.get(prefix)))
     kv_algo = KV_CACHE[opts.kv_cache]
     if kv_algo:
         for layer, amax in calib.kv_amax.items():
@@ -270,6 +320,8 @@ def quantize_checkpoint(
         quantized_modules=len(chosen),
         calibration=calib_info or None,
     )
+    if awq:  # per linear: α, output error vs round-to-nearest, mean clip ratio, share of groups clipped
+        record.details["awq"] = {prefix: choice.summary() for prefix, choice in sorted(awq.items())}
     with atomic_dir(out_dir, force, inputs=(source,)) as tmp:
         record.add_inputs(source, [source / CONFIG_NAME, source / rank_file(0)])
         write_config(tmp, qcfg)
