@@ -13,7 +13,8 @@ import pytest
 from conftest import one_line_error, save_random_llama
 
 from toolchain.checkpoint.tiny import make_tiny_llama
-from toolchain.evaluate.diff_report import SERIES
+from toolchain.diff import check_gates
+from toolchain.evaluate.diff_report import SERIES, markdown
 from toolchain.pipeline import run_recipe
 from toolchain.recipe import load_recipe
 
@@ -81,6 +82,50 @@ def test_identical_builds_say_so(cli: Any, builds: dict[str, Path]) -> None:
     assert "identical builds" in text.stdout
 
 
+def test_an_engine_kept_alone_leaves_unknowns_not_changes(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
+    """A released engine copied out of its run dir has no convert or quantize manifest beside it: its source weights
+    and calibration are unknown, which is neither a change nor an identical build."""
+    alone = tmp_path / "released"
+    shutil.copytree(builds["w8a16"] / "engine", alone)
+    result = cli("diff", alone, builds["w8a16"], "--changes-only", "--json")
+    assert result.exit_code == 0, result.stderr
+    r = json.loads(result.stdout)
+    assert r["changed"] == 0 and not r["same_build"] and r["unknown"] > 0
+    unknown = {(row["section"], row["key"]) for row in r["changes"] if row.get("unknown") == ["OLD"]}
+    assert ("weights", "model.safetensors") in unknown and ("quantization", "method") in unknown
+    assert ("quantization", "quant_algo") not in unknown  # the engine's build config still says that
+    text = cli("diff", alone, builds["w8a16"], "--changes-only").stdout
+    assert "0 of" in text and "not compared" in text and "weights (OLD)" in text and "identical" not in text
+    forward = json.loads(cli("diff", alone, builds["fp32"], "--changes-only", "--json").stdout)
+    assert changed(forward)[("quantization", "quant_algo")] == ("W8A16", "none")
+    assert not [key for key in changed(forward) if key[0] == "weights"]
+
+
+def test_gate_limits_are_inclusive_and_a_missing_value_fails() -> None:
+    gates = {"kld_vs_old_max": 0.5, "top1_vs_old_min": 0.5, "ttft_p90_ratio_max": 1.0, "throughput_ratio_min": 1.0}
+    at_limit = {"kld_mean": 0.5, "same_top1": 0.5, "ttft_p90_ratio": 1.0, "throughput_ratio": 1.0}
+    assert all(g["pass"] for g in check_gates(gates, at_limit))
+    past = {"kld_mean": 0.5000001, "same_top1": 0.4999999, "ttft_p90_ratio": 1.0000001, "throughput_ratio": 0.9999}
+    assert not any(g["pass"] for g in check_gates(gates, past))
+    missing = check_gates({"throughput_ratio_min": 0.0}, {"throughput_ratio": None})
+    assert missing == [{"gate": "throughput_ratio_min", "metric": "throughput_ratio", "limit": 0.0, "value": None,
+                        "pass": False}]  # fmt: skip
+
+
+def test_report_markdown_keeps_its_tables_whatever_the_text(cli: Any, builds: dict[str, Path]) -> None:
+    r = json.loads(cli("diff", builds["fp32"], builds["w8a16"], "--changes-only", "--json").stdout)
+    r["changes"].append({"section": "recipe", "key": "description", "old": "a | b", "new": "x`y\nz", "changed": True})
+    r["golden"] = [
+        {"prompt": "say `hi`", "same": False, "first_divergence": 0, "old": "a`b", "new": "c", "old_tokens": [1],
+         "new_tokens": [2]}
+    ]  # fmt: skip
+    md = markdown(r)
+    row = next(line for line in md.splitlines() if "description" in line)
+    assert len(row.replace("\\|", "").split("|")) == 6, row  # 4 cells: the `|` of the value is escaped
+    assert row.endswith("| `a \\| b` | ``x`y\\nz`` |"), row  # one line: the newline shown as \n
+    assert "- `` say `hi` `` — first divergence at token 0" in md and "OLD: ``a`b`` [1]" in md
+
+
 def test_quality_golden_gates_and_reports(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
     gates = ("--gate", "kld_vs_old_max=0.05", "--gate", "top1_vs_old_min=0.9", "--gate", "golden_same_min=0")
     out = tmp_path / "report"
@@ -140,6 +185,8 @@ def test_speed_replays_both_engines_interleaved(cli: Any, builds: dict[str, Path
     for side in ("old", "new"):
         assert s[side]["output_tokens"] == sum(6 + k % 3 for k in range(6)) and s[side]["output_tok_s"] > 0
     assert s["ratios"]["throughput_ratio"] == pytest.approx(s["new"]["output_tok_s"] / s["old"]["output_tok_s"])
+    assert s["ratios"]["ttft_p90_ratio"] == pytest.approx(s["new"]["ttft_s"]["p90"] / s["old"]["ttft_s"]["p90"])
+    assert s["ratios"]["tpot_p50_ratio"] == pytest.approx(s["new"]["tpot_s"]["p50"] / s["old"]["tpot_s"]["p50"])
     gates_result = {g["gate"]: g["pass"] for g in json.loads(result.stdout)["gates"]}
     assert gates_result == {"throughput_ratio_min": False, "ttft_p90_ratio_max": True}
 
@@ -156,6 +203,16 @@ def test_different_models_refuse_quality_but_print_changes(cli: Any, builds: dic
     rows = json.loads(cli("diff", builds["fp32"], tmp_path / "engine", "--changes-only", "--json").stdout)
     weights = {r["key"]: r for r in rows["changes"] if r["section"] == "weights"}
     assert weights["model.safetensors"]["changed"] and weights["model.safetensors"]["new"] is not None
+    # not asked for quality (fp32's recipe names eval data, not used for another model): their speed compares
+    speed = cli("diff", builds["fp32"], tmp_path / "engine", "--trace", trace_file(tmp_path / "t.csv", 2),
+                "--rate-scale", "100", "--rounds", "1", "--json")  # fmt: skip
+    assert speed.exit_code == 0, speed.stderr
+    r = json.loads(speed.stdout)
+    assert r["quality_refused"] is None and r["quality"] is None and r["speed"]["requests"] == 2
+    golden = one_line_error(cli("diff", builds["fp32"], tmp_path / "engine", "--golden", GOLDEN))
+    assert "quality comparison refused" in golden
+    wrong_reference = one_line_error(cli("diff", builds["fp32"], builds["w8a16"], *QUICK, "--reference", hf))
+    assert "--reference" in wrong_reference and "vocabulary of 97" in wrong_reference
 
 
 def test_bad_input(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
@@ -173,6 +230,24 @@ def test_bad_input(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
         cli("diff", builds["fp32"], builds["w8a16"], "--gate", "golden_same_min=1", *QUICK)
     )
     assert "--data" in one_line_error(cli("diff", builds["fp32"], builds["w8a16"], "--data", tmp_path / "none.txt"))
+    ignored = one_line_error(cli("diff", builds["fp32"], builds["w8a16"], "--changes-only", "--golden", GOLDEN))
+    assert "--golden would be ignored" in ignored
+    assert "pass --data" in one_line_error(cli("diff", builds["fp32"], builds["w8a16"], "--reference", builds["tiny"]))
+
+
+def test_different_tokenizers_refuse_quality(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
+    """Same architecture and vocabulary size, token ids shuffled: the same text is other tokens, so refused."""
+    other = tmp_path / "engine"
+    shutil.copytree(builds["fp32"] / "engine", other)
+    tokenizer = json.loads((other / "tokenizer.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    names = sorted((k for k in vocab if vocab[k] > 2), key=vocab.__getitem__)
+    vocab.update(zip(names, sorted((vocab[k] for k in names), reverse=True), strict=True))
+    (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    golden = one_line_error(cli("diff", builds["fp32"], other, "--golden", GOLDEN))
+    assert "tokenize the prompts of" in golden and "tokenizers differ" in golden
+    data = one_line_error(cli("diff", builds["fp32"], other, *QUICK))
+    assert "tokenize the evaluation text differently" in data
 
 
 def test_run_with_baseline_diffs_and_gates(cli: Any, builds: dict[str, Path]) -> None:
@@ -204,3 +279,7 @@ def test_run_with_baseline_diffs_and_gates(cli: Any, builds: dict[str, Path]) ->
     no_baseline = ok.replace(f", baseline: {baseline}", "")
     (root / "baseline.yaml").write_text(no_baseline)
     assert "add `baseline: PATH`" in one_line_error(cli("run", root / "baseline.yaml", "-o", root / "x"))
+    no_golden = ok.replace("top1_vs_old_min: 0.9", "golden_same_min: 0.5")
+    (root / "baseline.yaml").write_text(no_golden)
+    assert "add `golden:" in one_line_error(cli("run", root / "baseline.yaml", "-o", root / "x"))
+    assert not (root / "x").exists()  # refused before any stage ran

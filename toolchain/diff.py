@@ -175,19 +175,39 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-def _weights(side: Side) -> dict[str, Any]:
+class _Unknown:
+    """A fact a side does not record (its stage manifest was not found): never counted as a change."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN = _Unknown()
+QUANTIZE_DETAILS = (
+    "method",
+    "smoothquant_alpha",
+    "calibration data sha256",
+    "calibration samples",
+    "calibration seq_len",
+    "seed",
+)
+
+
+def _weights(side: Side) -> dict[str, Any] | _Unknown:
     convert = side.manifests.get("convert")
     if convert is None:
-        return {"source weights": None}  # not found: shown as unknown, never as a change
+        return UNKNOWN  # the whole section: the convert dir was not found
     return {e["path"]: e["sha256"] for e in convert["inputs"]}
 
 
 def _quantization(side: Side) -> dict[str, Any]:
     q = side.build_config.get("quantization") or {}
-    details = (side.manifests.get("quantize") or {}).get("details") or {}
+    quantized = bool(q.get("quant_algo") or q.get("kv_cache_quant_algo"))
+    quantize = side.manifests.get("quantize")
+    details = (quantize or {}).get("details") or {}
     calib = details.get("calibration") or {}
-    return {
-        "method": details.get("method") or ("none" if not q.get("quant_algo") else None),
+    facts = {
+        "method": details.get("method") or (None if quantized else "none"),
         "quant_algo": q.get("quant_algo") or "none",
         "group_size": q.get("group_size"),
         "kv_cache": (side.build_config.get("kv_cache") or {}).get("dtype"),
@@ -200,6 +220,9 @@ def _quantization(side: Side) -> dict[str, Any]:
         "calibration seq_len": calib.get("seq_len"),
         "seed": calib.get("seed"),
     }
+    if quantized and quantize is None:  # what only the quantize manifest says is not known for this side
+        facts.update({k: UNKNOWN for k in QUANTIZE_DETAILS})
+    return facts
 
 
 def _build(side: Side) -> dict[str, Any]:
@@ -232,7 +255,7 @@ def _recipe(side: Side) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if k.split(".")[0] not in IGNORED_RECIPE_KEYS}
 
 
-SECTIONS: dict[str, Callable[[Side], dict[str, Any]]] = {  # the change table's order
+SECTIONS: dict[str, Callable[[Side], dict[str, Any] | _Unknown]] = {  # the change table's order
     "weights": _weights,
     "recipe": _recipe,
     "quantization": _quantization,
@@ -243,29 +266,33 @@ SECTIONS: dict[str, Callable[[Side], dict[str, Any]]] = {  # the change table's 
 
 
 def changes(old: Side, new: Side) -> list[dict[str, Any]]:
-    """Every setting of both builds, section by section; `changed` where they differ."""
+    """Every setting of both builds, section by section; `changed` where they differ. A fact one side does not
+    record is listed with `unknown` naming that side (OLD, NEW) and is never a change."""
     rows = []
     for section, facts in SECTIONS.items():
         a, b = facts(old), facts(new)
-        for key in [*a, *(k for k in b if k not in a)]:
-            rows.append({"section": section, "key": key, "old": a.get(key), "new": b.get(key)})
-    for row in rows:
-        unknown = row["section"] == "weights" and row["key"] == "source weights"
-        row["changed"] = row["old"] != row["new"] and not unknown
+        keys = list(dict.fromkeys([*(a if isinstance(a, dict) else {}), *(b if isinstance(b, dict) else {})]))
+        for key in keys or ["(not recorded)"]:
+            x = a.get(key) if isinstance(a, dict) else UNKNOWN
+            y = b.get(key) if isinstance(b, dict) else UNKNOWN
+            unknown = [label for label, v in (("OLD", x), ("NEW", y)) if v is UNKNOWN]
+            row = {"section": section, "key": key, "old": None if x is UNKNOWN else x}
+            row.update(new=None if y is UNKNOWN else y, changed=not unknown and x != y)
+            rows.append({**row, "unknown": unknown} if unknown else row)
     return rows
 
 
 # -- quality ------------------------------------------------------------------------------------------------------
 
 
-def quality_refusal(old: Engine, new: Engine) -> str | None:
-    """Why the two engines cannot be compared token for token, or None."""
-    a, b = old.spec, new.spec
-    if a.vocab_size != b.vocab_size or a.architecture != b.architecture:
+def quality_refusal(old: Side, new: Side) -> str | None:
+    """Why the two engines cannot be compared token for token (from their build configs), or None."""
+    a, b = ((s.build_config.get("architecture"), s.build_config.get("vocab_size")) for s in (old, new))
+    if a != b:
         return (
-            f"OLD is {a.architecture} with a vocabulary of {a.vocab_size}, NEW is {b.architecture} with "
-            f"{b.vocab_size}: different models, so KLD and top-1 are undefined; compare builds of one model "
-            "(pass --changes-only for the change table alone)"
+            f"OLD is {a[0]} with a vocabulary of {a[1]}, NEW is {b[0]} with {b[1]}: different models, so KLD and "
+            "top-1 are undefined; compare builds of one model, or drop --data/--golden (the change table and "
+            "--trace still compare them)"
         )
     return None
 
@@ -288,6 +315,11 @@ def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, referen
 
     sessions = (EngineSession(old), EngineSession(new))
     ref = Reference(reference) if reference is not None else None
+    if ref is not None and (vocab := ref.model.get_input_embeddings().num_embeddings) != new.spec.vocab_size:
+        raise UserError(
+            f"--reference {reference}: a vocabulary of {vocab}, the engines' is {new.spec.vocab_size}; pass the "
+            "Hugging Face model the engines were converted from"
+        )
     count = tokens.numel() // window
     windows = tokens[: count * window].view(count, window)
     parts: dict[str, dict[str, list[torch.Tensor]]] = {}
@@ -322,16 +354,19 @@ def _histograms(klds: dict[str, torch.Tensor], bins: int = 24) -> dict[str, Any]
     return {"edges": edges, "counts": counts}
 
 
-def golden(old: Engine, new: Engine, path: Path) -> list[dict[str, Any]]:
-    """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does."""
+def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does.
+    (None, why) when the two tokenizers make different prompts."""
     from toolchain.engine.api import load_tokenizer
     from toolchain.evaluate.engine_eval import EngineSession
     from toolchain.evaluate.golden import TokenBytes, read_golden
 
     items = read_golden(path)
-    tok = load_tokenizer(old.spec.engine_dir)
-    render = TokenBytes(tok).render  # bytes that are not valid UTF-8 shown as escapes, as eval's report does
-    prompts = [tok(item.prompt, add_special_tokens=True)["input_ids"] for item in items]
+    toks = [load_tokenizer(e.spec.engine_dir) for e in (old, new)]
+    render = TokenBytes(toks[0]).render  # bytes that are not valid UTF-8 shown as escapes, as eval's report does
+    prompts, new_prompts = ([t(item.prompt, add_special_tokens=True)["input_ids"] for item in items] for t in toks)
+    if prompts != new_prompts:
+        return None, f"OLD and NEW tokenize the prompts of {path} differently (their tokenizers differ)"
     for item, ids in zip(items, prompts, strict=True):
         if not ids:
             raise UserError(f"{path}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
@@ -353,7 +388,7 @@ def golden(old: Engine, new: Engine, path: Path) -> list[dict[str, Any]]:
                 "new_tokens": b,
             }
         )
-    return results
+    return results, None
 
 
 # -- speed --------------------------------------------------------------------------------------------------------
@@ -373,8 +408,8 @@ def speed(old: Engine, new: Engine, trace: Path, opts: DiffOptions) -> dict[str,
     for engine in engines.values():  # warm-up: sessions, allocator, caches
         replay(engine, [replace(r, arrival=0.0) for r in requests[:2]])
     rounds: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
-    for k in range(opts.rounds):
-        for side in ("old", "new") if k % 2 == 0 else ("new", "old"):
+    for round_ in range(opts.rounds):
+        for side in ("old", "new") if round_ % 2 == 0 else ("new", "old"):
             r = replay(engines[side], requests)
             if r["completed"] < r["requests"]:
                 lost = r["requests"] - r["completed"]
@@ -470,7 +505,9 @@ def diff(
     """The whole comparison as one dict (see the module docstring). `on_changes` sees the change table as soon as
     it is known, before any model runs. Quality refused for two different models: `quality_refused` says why."""
     old, new = load_pair(old_dir, new_dir)
-    data = opts.data or default_data(old, new)
+    refusal = quality_refusal(old, new)
+    comparable = refusal is None and not opts.changes_only
+    data = opts.data or (default_data(old, new) if comparable else None)  # a recipe's eval data, where it is used
     gates = dict(opts.gates)
     check_gate_names(gates, opts, data is not None)
     for path, what in ((opts.data, "--data"), (opts.golden, "--golden"), (opts.trace, "--trace")):
@@ -478,16 +515,23 @@ def diff(
             raise UserError(f"{what} {path}: no such file")
     if opts.reference is not None and not (opts.reference / "config.json").is_file():
         raise UserError(f"--reference {opts.reference}: not a Hugging Face model dir (no config.json)")
+    model_options = {"--data": opts.data, "--reference": opts.reference, "--golden": opts.golden, "--trace": opts.trace}
+    asked = [name for name, value in model_options.items() if value is not None]
+    if opts.changes_only and asked:
+        raise UserError(f"--changes-only runs no model, so {', '.join(asked)} would be ignored; drop one or the other")
+    if opts.reference is not None and data is None:
+        raise UserError(f"--reference {opts.reference}: both engines are scored against it on --data; pass --data")
     rows = changes(old, new)
     result: dict[str, Any] = {
         "old": old.describe(),
         "new": new.describe(),
         "changes": rows,
         "changed": sum(r["changed"] for r in rows),
-        "same_build": not any(r["changed"] for r in rows),
+        "unknown": sum("unknown" in r for r in rows),
+        "same_build": not any(r["changed"] or "unknown" in r for r in rows),
         "data": str(data.resolve()) if data else None,
         "quality": None,
-        "quality_refused": None,
+        "quality_refused": refusal if opts.data or opts.golden else None,  # asked for, and refused
         "golden": None,
         "golden_same": None,
         "speed": None,
@@ -507,20 +551,26 @@ def diff(
 
 
 def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: dict[str, Any]) -> None:
+    if data is None and opts.golden is None and opts.trace is None:
+        return  # nothing asked of the models: the change table is the whole diff
     engines = open_engine(old.engine_dir), open_engine(new.engine_dir)
-    refusal = quality_refusal(*engines)
+    refusal = result["quality_refused"]  # two different models; the speed of those is still comparable
     if refusal is None and data is not None:
         tokens, refusal = _tokens(data, old, new, opts.max_tokens)
         if tokens is not None:
             window = min(256, *(e.spec.limits.max_seq_len for e in engines))
             if tokens.numel() < window:
-                raise UserError(f"{data}: {tokens.numel()} tokens, fewer than one window of {window}")
+                raise UserError(
+                    f"{data}: {tokens.numel()} tokens, fewer than one window of {window}; raise --max-tokens or "
+                    "give more text"
+                )
             console.info(f"scoring both engines on {tokens.numel():,} tokens of {data} in windows of {window}")
             result["quality"] = quality(*engines, tokens, window, opts.reference)
     if refusal is None and opts.golden is not None:
-        result["golden"] = golden(*engines, opts.golden)
-        result["golden_same"] = sum(g["same"] for g in result["golden"]) / len(result["golden"])
-    result["quality_refused"] = refusal
+        result["golden"], refusal = golden(*engines, opts.golden)
+        if result["golden"] is not None:
+            result["golden_same"] = sum(g["same"] for g in result["golden"]) / len(result["golden"])
+    result["quality_refused"] = refusal  # or: the tokenizers differ
     if opts.trace is not None:
         result["speed"] = speed(*engines, opts.trace, opts)
 
@@ -584,6 +634,11 @@ def baseline_settings(section: Any) -> dict[str, Any] | None:
                 "(an engine or run dir) to the eval section, or remove the gate"
             )
         return None
+    if section.golden is None and "golden_same_min" in dict(gates):
+        raise UserError(
+            "recipe eval.gates.golden_same_min compares golden outputs with the baseline's: add `golden: FILE.jsonl` "
+            "(prompts) to the eval section, or remove the gate"
+        )
     side = load_side(section.baseline, "eval.baseline")
     return {"baseline_manifest_sha256": side.manifest_sha256, "max_tokens": section.max_tokens, "gates": gates}
 

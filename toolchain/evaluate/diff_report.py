@@ -10,6 +10,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from toolchain.evaluate.golden import readable
+from toolchain.evaluate.report import _md_code
+
 OLD_COLOR, NEW_COLOR, REF_COLOR = "#8c8c8c", "#4a7bd0", "#d0574a"
 SERIES = {  # quality series -> (label, color)
     "new_vs_old": ("NEW vs OLD", NEW_COLOR),
@@ -38,7 +41,7 @@ def short(value: Any) -> str:
     """A table cell: hashes cut to 12 characters, None as '-'."""
     if value is None:
         return "-"
-    text = json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value)
+    text = json.dumps(value) if isinstance(value, (list, dict, bool)) else str(value).replace("\n", "\\n")
     if len(text) == 64 and all(c in "0123456789abcdef" for c in text):
         return text[:12]
     return text if len(text) <= 60 else text[:57] + "..."
@@ -51,7 +54,21 @@ def change_lines(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 def summary_line(result: dict[str, Any]) -> str:
     if result["same_build"]:
         return "identical builds: same source weights, recipe, quantization, limits, backend, engine files and versions"
-    return f"{result['changed']} of {len(result['changes'])} recorded settings differ"
+    rows = result["changes"]
+    unknown = [r for r in rows if r.get("unknown")]
+    line = f"{result['changed']} of {len(rows) - len(unknown)} recorded settings differ"
+    if unknown:
+        where = dict.fromkeys(f"{r['section']} ({' and '.join(r['unknown'])})" for r in unknown)
+        line += (
+            f"; {len(unknown)} not compared, their stage manifests not found: {', '.join(where)} (keep an engine in "
+            "its run dir, or beside the checkpoint dirs it was built from, for the whole record)"
+        )
+    return line
+
+
+def md_cell(text: str) -> str:
+    """`text` as a code span inside a markdown table row (a `|` would end the cell)."""
+    return _md_code(text).replace("|", "\\|")
 
 
 def quality_rows(q: dict[str, Any]) -> list[tuple[str, str]]:
@@ -110,7 +127,7 @@ def markdown(result: dict[str, Any]) -> str:
     changed = change_lines(result)
     if changed:
         lines += ["", "| section | key | OLD | NEW |", "|---|---|---|---|"]
-        lines += [f"| {s} | `{k}` | `{a}` | `{b}` |" for s, k, a, b in changed]
+        lines += [f"| {s} | {md_cell(k)} | {md_cell(a)} | {md_cell(b)} |" for s, k, a, b in changed]
     if result["quality_refused"]:
         lines += ["", f"**Quality comparison refused:** {result['quality_refused']}"]
     q = result["quality"]
@@ -123,9 +140,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", "## Golden prompts", "", f"{same} of {len(result['golden'])} greedy outputs unchanged."]
         for g in (g for g in result["golden"] if not g["same"]):
             lines += [
-                f"- `{g['prompt']}` — first divergence at token {g['first_divergence']}",
-                f"  - OLD: `{g['old']}` {g['old_tokens']}",
-                f"  - NEW: `{g['new']}` {g['new_tokens']}",
+                f"- {_md_code(readable(g['prompt'].encode()))} — first divergence at token {g['first_divergence']}",
+                f"  - OLD: {_md_code(g['old'])} {g['old_tokens']}",
+                f"  - NEW: {_md_code(g['new'])} {g['new_tokens']}",
             ]
     s = result["speed"]
     if s is not None:
@@ -148,22 +165,26 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _legend(series: dict[str, tuple[list[float], str]], width: int) -> str:
+    return "".join(
+        f'<rect x="{width - 200}" y="{24 + 14 * s}" width="10" height="10" fill="{color}"/>'
+        f'<text x="{width - 185}" y="{33 + 14 * s}" font-size="10">{html.escape(name)}</text>'
+        for s, (name, (_, color)) in enumerate(series.items())
+    )
+
+
 def _svg_grouped(series: dict[str, tuple[list[float], str]], labels: list[str], title: str, unit: str = "") -> str:
     """Bars of several series side by side per label, y from 0; eval's plot frame and fonts."""
     width, height, pad = 640, 240, 40
     top = max([max(v, default=0.0) for v, _ in series.values()] + [1e-12])
     group = (width - 60) / max(len(labels), 1)
     bw = max((group - 2) / max(len(series), 1), 1.0)
-    bars, legend = [], []
-    for s, (name, (values, color)) in enumerate(series.items()):
+    bars = []
+    for s, (values, color) in enumerate(series.values()):
         for k, v in enumerate(values):
             h = (height - 2 * pad) * v / top
             x, y = pad + k * group + s * bw, height - pad - h
             bars.append(f'<rect x="{x:.1f}" y="{y:.1f}" width="{bw - 1:.1f}" height="{h:.1f}" fill="{color}"/>')
-        legend.append(
-            f'<rect x="{width - 200}" y="{24 + 14 * s}" width="10" height="10" fill="{color}"/>'
-            f'<text x="{width - 185}" y="{33 + 14 * s}" font-size="10">{html.escape(name)}</text>'
-        )
     ticks = "".join(
         f'<text x="{pad + k * group:.1f}" y="{height - pad + 14}" font-size="9">{html.escape(labels[k])}</text>'
         for k in range(0, len(labels), max(1, len(labels) // 6))
@@ -177,7 +198,7 @@ def _svg_grouped(series: dict[str, tuple[list[float], str]], labels: list[str], 
         f'<line x1="{pad}" y1="{height - pad}" x2="{width - 20}" y2="{height - pad}" stroke="#333"/>'
         + "".join(bars)
         + ticks
-        + "".join(legend)
+        + _legend(series, width)
         + "</svg>"
     )
 
@@ -187,16 +208,12 @@ def _svg_lines(series: dict[str, tuple[list[float], str]], title: str) -> str:
     width, height, pad = 640, 240, 40
     longest = max((len(v) for v, _ in series.values()), default=1)
     step = (width - 60) / max(longest - 1, 1)
-    lines, legend = [], []
-    for s, (name, (values, color)) in enumerate(series.items()):
+    lines = []
+    for values, color in series.values():
         points = " ".join(
             f"{pad + k * step:.1f},{height - pad - (height - 2 * pad) * v:.1f}" for k, v in enumerate(values)
         )
         lines.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.5"/>')
-        legend.append(
-            f'<rect x="{width - 200}" y="{24 + 14 * s}" width="10" height="10" fill="{color}"/>'
-            f'<text x="{width - 185}" y="{33 + 14 * s}" font-size="10">{html.escape(name)}</text>'
-        )
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
         f'aria-label="{html.escape(title)}">'
@@ -206,7 +223,7 @@ def _svg_lines(series: dict[str, tuple[list[float], str]], title: str) -> str:
         + "".join(lines)
         + f'<text x="{pad}" y="{height - pad + 14}" font-size="9">position 1</text>'
         f'<text x="{width - 90}" y="{height - pad + 14}" font-size="9">position {longest}</text>'
-        + "".join(legend)
+        + _legend(series, width)
         + "</svg>"
     )
 
