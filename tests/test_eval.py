@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_line_error
+from conftest import one_line_error, save_random_llama
 
 from toolchain.checkpoint.tiny import make_tiny_llama
 
@@ -87,6 +87,9 @@ def test_eval_bad_input(cli: Any, tiny: Path, fp32_engine: Path, tmp_path: Path)
     assert "not an engine directory" in line
     line = one_line_error(cli(*base[:-2], "--data", tmp_path / "none.txt"))
     assert "none.txt" in line
+    other = save_random_llama(tmp_path / "other", vocab_size=97)
+    line = one_line_error(cli(*base[:2], "--reference", other, *base[4:]))
+    assert "a vocabulary of 97, the engine's is" in line and "converted from" in line
     assert not (tmp_path / "r").exists()
 
 

@@ -132,6 +132,12 @@ def evaluate_engine(
     gates: dict[str, float],
 ) -> dict[str, Any]:
     session, reference = EngineSession(engine), Reference(reference_dir)
+    vocab = reference.model.get_input_embeddings().num_embeddings
+    if vocab != engine.spec.vocab_size:  # another model: its logits would be compared index by index with ours
+        raise UserError(
+            f"--reference {reference_dir}: a vocabulary of {vocab}, the engine's is {engine.spec.vocab_size}; pass "
+            "the Hugging Face model this engine was converted from"
+        )
     tokens = tokenize(data, engine_dir, max_tokens=max_tokens)
     window = min(256, engine.spec.limits.max_seq_len)
     if tokens.numel() < window:
