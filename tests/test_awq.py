@@ -13,6 +13,7 @@ from conftest import SHARED
 from safetensors.torch import load_file
 
 from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
 from toolchain.quantize.awq import (
     GRID,
@@ -111,12 +112,16 @@ def test_stage_shares_scales_clips_and_records_choices(stories_ckpt: Path, tmp_p
 
 def test_awq_beats_round_to_nearest_on_held_out_raw_text(stories_ckpt: Path, tmp_path: Path) -> None:
     """Calibrated on WikiText-2 valid, evaluated on raw WikiText-2 test (other articles): ≥ 15 % lower mean KLD."""
-    kld = {}
+    quality = {}
     for method in ("w4a16", "w4a16_awq"):
         opts = QuantizeOptions(method, group_size=64, calib_data=WIKI / "valid.txt", calib_samples=32)
         r = quantize_checkpoint(stories_ckpt, tmp_path / method, opts, WIKI / "wiki.test.raw", eval_tokens=4096)
-        kld[method] = r["quality"]["kld_mean"]
-    assert kld["w4a16_awq"] < 0.85 * kld["w4a16"]
+        quality[method] = r["quality"]
+    assert quality["w4a16_awq"]["kld_mean"] < 0.85 * quality["w4a16"]["kld_mean"]
+    assert quality["w4a16_awq"]["ppl_ratio"] < quality["w4a16"]["ppl_ratio"]
+    w = load_file(str(tmp_path / "w4a16_awq" / "rank0.safetensors"))  # K = 172: scales for every input channel
+    assert w["transformer.layers.0.mlp.proj.prequant_scaling_factor"].shape == (172,)
+    assert read_config(tmp_path / "w4a16_awq").quantization.pre_quant_scale
 
 
 def test_calibration_text_is_refused_as_evaluation_text(tmp_path: Path) -> None:
