@@ -285,6 +285,10 @@ def build(
     tokens_per_block: Annotated[
         int, typer.Option("--tokens-per-block", help="KV cache block size in tokens (TensorRT: 16, 32 or 64).")
     ] = 16,
+    tokenizer: Annotated[
+        Path | None,
+        typer.Option("--tokenizer", help="Copy the tokenizer from this HF model dir (a ModelOpt checkpoint has none)."),
+    ] = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -293,7 +297,7 @@ def build(
 
     with _handled():
         opts = BuildOptions(backend.value, max_batch_size, max_num_tokens, max_seq_len, tokens_per_block)
-        r = build_engine(checkpoint, output, opts, force)
+        r = build_engine(checkpoint, output, opts, force, tokenizer=tokenizer)
     limits = r["limits"]
     _emit(
         r,
@@ -351,12 +355,14 @@ def eval_(
     json_out: JsonOpt = False,
 ) -> None:
     """Score an engine against the original model (PPL ratio, KLD, top-1, Δp, golden prompts) and apply gates."""
+    from toolchain.engine.build import require_tokenizer
     from toolchain.evaluate.engine_eval import run_eval
     from toolchain.evaluate.report import summary_lines
     from toolchain.pipeline import default_report_dir
 
     with _handled():
         gates = _parse_gates(gate or [])
+        require_tokenizer(engine_dir)
         out = output or default_report_dir(engine_dir)
         r = run_eval(
             engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force
@@ -679,7 +685,8 @@ def serve(
     "diff",
     epilog="Example: `trtbuild diff released/ candidate/ --data ../shared/data/wikitext-2/test.txt --golden "
     "prompts.jsonl --trace trace.csv --gate kld_vs_old_max=0.05 --gate throughput_ratio_min=0.9 -o diff-report` "
-    "(exit 3 when a gate fails; exit 1 for bad input, the same directory twice, or two different models)",
+    "(exit 3 when a gate fails; exit 1 for bad input, the same directory twice, or --data/--golden on two "
+    "different models)",
 )
 def diff_(
     old: Annotated[Path, typer.Argument(help="The released engine: an engine dir or a `trtbuild run` dir.")],

@@ -4,6 +4,11 @@ Field names and defaults follow TensorRT-LLM's docs/source/architecture/checkpoi
 `PretrainedConfig.to_dict` (tensorrt_llm/models/modeling_utils.py); family-specific fields (rotary_*, attn_bias,
 mlp_bias for Llama: tensorrt_llm/models/llama/config.py) live in the same flat object. This module is the one
 place that reads and writes that format.
+
+Checkpoints written by NVIDIA ModelOpt (`export_tensorrt_llm_checkpoint`, config `producer.name: modelopt`) are read
+too (docs/conversion.md, "ModelOpt checkpoints"): their extra config fields are checked where they would change the
+model (`check_family_fields`), and their separate K and V cache scales are merged as TensorRT-LLM merges them
+(`kv_cache_scale`).
 """
 
 from __future__ import annotations
@@ -177,3 +182,57 @@ def load_rank(directory: Path, rank: int = 0) -> dict[str, torch.Tensor]:
     infos, _ = read_header(path)
     with path.open("rb") as f:
         return {name: read_tensor(f, info) for name, info in infos.items()}
+
+
+# Config fields other writers (ModelOpt) add whose values change the model: the value we implement. A checkpoint
+# with another value is refused naming the field, never built as a different model.
+_FIXED_FIELDS: dict[str, Any] = {"rotary_pct": 1.0, "residual_mlp": False}
+
+
+def check_family_fields(cfg: ModelConfig, source: str = CONFIG_NAME) -> None:
+    for name, supported in _FIXED_FIELDS.items():
+        value = cfg.family_fields.get(name, supported)
+        if value != supported:
+            raise UserError(
+                f"{source}: {name} {value!r} is not supported (only {supported!r}); this model cannot be built here"
+            )
+
+
+def kv_cache_scale(weights: dict[str, torch.Tensor], layer: str, source: str = "rank0.safetensors") -> float:
+    """The dequantization factor of layer `layer`'s int8 / fp8 KV cache.
+
+    One scale per layer, as TensorRT-LLM's attention plugin takes it (`Attention.kv_cache_scaling_factor`,
+    tensorrt_llm/layers/attention.py). ModelOpt also writes `k_cache_scaling_factor` and `v_cache_scaling_factor`;
+    TensorRT-LLM's loader merges them into `kv_cache_scaling_factor = max(k, v)` and drops them
+    (`preprocess_weights` -> `process_kv_scaling_factor`, tensorrt_llm/models/modeling_utils.py), and so do we. A
+    `kv_cache_scaling_factor` written beside them must be that max."""
+    kv, k, v = (f"{layer}.attention.{n}_cache_scaling_factor" for n in ("kv", "k", "v"))
+    if (k in weights) != (v in weights):
+        have, lack = (k, v) if k in weights else (v, k)
+        raise UserError(f"{source}: {have} without {lack}; the K and V cache scales come as a pair")
+    if k in weights:
+        merged = max(_scalar(weights, k, source), _scalar(weights, v, source))
+        if kv in weights and not math.isclose(_scalar(weights, kv, source), merged, rel_tol=1e-6):
+            raise UserError(
+                f"{source}: {kv} = {_scalar(weights, kv, source):g} but max({k.rsplit('.', 1)[1]}, "
+                f"{v.rsplit('.', 1)[1]}) = {merged:g}; the checkpoint's KV cache scales disagree, re-export it"
+            )
+        return merged
+    if kv not in weights:
+        raise UserError(f"{source}: {kv} missing; the checkpoint's kv_cache_quant_algo needs one per layer")
+    return _scalar(weights, kv, source)
+
+
+def kv_scale_names(layer: str) -> tuple[str, ...]:
+    """Every tensor `kv_cache_scale` may read for `layer`."""
+    return tuple(f"{layer}.attention.{n}_cache_scaling_factor" for n in ("kv", "k", "v"))
+
+
+def _scalar(weights: dict[str, torch.Tensor], name: str, source: str) -> float:
+    t = weights[name]
+    if t.numel() != 1:
+        raise UserError(f"{source}: {name} has shape {tuple(t.shape)}; expected one value per layer")
+    value = float(t.reshape(-1)[0])
+    if not math.isfinite(value) or value <= 0:
+        raise UserError(f"{source}: {name} = {value}; a KV cache scale must be a positive finite number")
+    return value

@@ -4,7 +4,7 @@ ENGINE_DIR/
   model.onnx (+ model.onnx.data)   the engine graph (export.py), what both backends run
   engine.plan, layers.json         the TensorRT plan and its inspector's layer JSON (TensorRT backend only)
   build_config.json                contract version, backend, limits, KV pool geometry, compatibility record
-  tokenizer files, manifest.json
+  tokenizer files, manifest.json     from the checkpoint, or from --tokenizer DIR (a ModelOpt export has none)
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint.hf import TOKENIZER_FILES
+from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.engine import tensorrt_backend
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
 from toolchain.engine.contract import CONTRACT_VERSION
 from toolchain.engine.export import export_model, save_model
 from toolchain.errors import UserError
-from toolchain.files import JSON_LIMIT, read_text_capped
+from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
 from toolchain.manifest import StageRecord, package_version
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
@@ -68,8 +68,48 @@ def _choose_backend(requested: str, record: StageRecord) -> str:
     return requested
 
 
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_CORE)
+
+
+def require_tokenizer(engine_dir: Path) -> None:
+    """For the commands that turn text into tokens (eval): one line naming the fix when an engine has none (what
+    is not an engine at all is left to the engine's own checks, which say so)."""
+    if (engine_dir / BUILD_CONFIG).is_file() and not has_tokenizer(engine_dir):
+        raise UserError(
+            f"{engine_dir} has no tokenizer ({' / '.join(TOKENIZER_CORE)}); rebuild it with "
+            "`trtbuild build CKPT -o ENGINE --tokenizer HF_MODEL_DIR`"
+        )
+
+
+def tokenizer_files(checkpoint: Path, tokenizer: Path | None, record: StageRecord) -> list[Path]:
+    """The tokenizer files the engine gets: from `tokenizer` when given (it must hold one), else the checkpoint's
+    (none is a warning: eval and text generation will need one)."""
+    source = tokenizer or checkpoint
+    if tokenizer is not None and not has_tokenizer(tokenizer):
+        raise UserError(
+            f"--tokenizer {tokenizer}: no {' / '.join(TOKENIZER_CORE)} there; give the Hugging Face model dir the "
+            "checkpoint came from"
+        )
+    if tokenizer is None and not has_tokenizer(checkpoint):
+        note = (
+            f"{checkpoint} has no tokenizer (a ModelOpt export has none): the engine will lack one, so eval and text "
+            "prompts cannot run; add --tokenizer HF_MODEL_DIR"
+        )
+        console.warn(note)
+        record.warnings.append(note)
+    paths = [source / name for name in TOKENIZER_FILES]
+    check_present(paths, TOKENIZER_LIMIT, "tokenizer")
+    return [p for p in paths if p.is_file()]
+
+
 def build_engine(
-    checkpoint: Path, out_dir: Path, opts: BuildOptions, force: bool = False, record: StageRecord | None = None
+    checkpoint: Path,
+    out_dir: Path,
+    opts: BuildOptions,
+    force: bool = False,
+    record: StageRecord | None = None,
+    tokenizer: Path | None = None,
 ) -> dict[str, Any]:
     cfg = read_config(checkpoint)
     if cfg.mapping.world_size != 1:
@@ -83,6 +123,7 @@ def build_engine(
             f"--max-seq-len {max_seq_len} exceeds the model's max_position_embeddings {cfg.max_position_embeddings}"
         )
     record = record or StageRecord("build")
+    tokenizer_paths = tokenizer_files(checkpoint, tokenizer, record)
     backend = _choose_backend(opts.backend, record)
     if backend == "tensorrt" and opts.tokens_per_block not in TRT_TOKENS_PER_BLOCK:
         raise UserError(f"--tokens-per-block {opts.tokens_per_block}: the CUDA plugin supports 16, 32 or 64")
@@ -100,20 +141,21 @@ def build_engine(
         f"exporting {cfg.architecture} ({cfg.num_hidden_layers} layers) to ONNX in {dtype}".replace("torch.", "")
     )
     weights = load_rank(checkpoint, 0)
-    model = export_model(cfg, weights, dtype, opts.tokens_per_block)
+    model = export_model(cfg, weights, dtype, opts.tokens_per_block, str(checkpoint / rank_file(0)))
     del weights
     build_info: dict[str, Any] = {}
     with atomic_dir(out_dir, force, inputs=(checkpoint,)) as tmp:
         record.add_inputs(checkpoint, [checkpoint / CONFIG_NAME, checkpoint / rank_file(0)])
+        if tokenizer is not None and tokenizer_paths:
+            record.add_inputs(tokenizer, tokenizer_paths)
         save_model(model, tmp / MODEL_NAME)
         del model
         onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)  # by path: external data included
         kv_block = (2, cfg.num_key_value_heads, opts.tokens_per_block, cfg.head_size)
         if backend == "tensorrt":
             build_info = tensorrt_backend.build_plan(tmp / MODEL_NAME, tmp, limits, cfg.num_hidden_layers, kv_block)
-        for name in TOKENIZER_FILES:
-            if (checkpoint / name).is_file():
-                shutil.copyfile(checkpoint / name, tmp / name)
+        for path in tokenizer_paths:
+            shutil.copyfile(path, tmp / path.name)
         kv_algo = cfg.quantization.kv_cache_quant_algo
         config = {
             "contract_version": CONTRACT_VERSION,

@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
@@ -91,9 +91,42 @@ class _Builder:
         return self.node(op, inputs, name, **attrs)[0]
 
 
+class _Consumed(dict[str, torch.Tensor]):
+    """The checkpoint's tensors, remembering which ones the export read (`in` is not a read)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor]):
+        super().__init__(weights)
+        self.read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.read.add(name)
+        return super().__getitem__(name)
+
+    def check_all_read(self, cfg: ModelConfig, source: str) -> None:
+        """Refuse tensors the export never read: a field this exporter does not know would otherwise be dropped
+        silently and a different model built."""
+        left = sorted(set(self) - self.read)
+        if left:
+            q = cfg.quantization
+            shown = ", ".join(left[:4]) + (f" and {len(left) - 4} more" if len(left) > 4 else "")
+            raise UserError(
+                f"{source}: {shown} not used by the {cfg.architecture} export (quant_algo {q.quant_algo}, "
+                f"kv_cache_quant_algo {q.kv_cache_quant_algo}); refusing rather than dropping it: fix the checkpoint "
+                "or its config.json"
+            )
+
+
 class _Exporter:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, tokens_per_block: int):
-        self.cfg, self.w, self.b = cfg, weights, _Builder(dtype)
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        tokens_per_block: int,
+        source: str = "rank0.safetensors",
+    ):
+        self.cfg, self.w, self.b = cfg, _Consumed(weights), _Builder(dtype)
+        self.source = source
         self.tokens_per_block = tokens_per_block
         q = cfg.quantization
         self.algo = q.quant_algo
@@ -214,7 +247,7 @@ class _Exporter:
         kind = scaling.get("rope_type", scaling.get("type", "none"))
         kv_scale = 1.0
         if self.kv_dtype in KV_ONNX:
-            kv_scale = float(self.w[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].reshape(-1)[0])
+            kv_scale = kv_cache_scale(self.w, f"transformer.layers.{i}", self.source)
         return AttentionAttrs(
             layer=i,
             num_heads=c.num_attention_heads,
@@ -287,6 +320,7 @@ class _Exporter:
         if b.onnx_dtype != TensorProto.FLOAT:
             logits = b.op("Cast", [logits], "logits_float", to=TensorProto.FLOAT)
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits/Identity"))
+        self.w.check_all_read(c, self.source)
         inputs = [self._io(name, spec) for name, spec in INPUTS.items()]
         outputs = [self._io(name, spec) for name, spec in OUTPUTS.items()]
         graph = helper.make_graph(b.nodes, "trtbuild_engine", inputs, outputs, b.initializers, value_info=b.value_info)
@@ -321,11 +355,17 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 
 def export_model(
-    cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, tokens_per_block: int
+    cfg: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    tokens_per_block: int,
+    source: str = "rank0.safetensors",
 ) -> onnx.ModelProto:
+    """The engine graph; every tensor of `weights` must be used (`source` names the file in errors)."""
     if dtype not in _DTYPE_NAMES:
         raise UserError(f"engine dtype {dtype} not supported; choose float32, float16 or bfloat16")
-    return _Exporter(cfg, weights, dtype, tokens_per_block).graph()
+    check_family_fields(cfg)
+    return _Exporter(cfg, weights, dtype, tokens_per_block, source).graph()
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:
