@@ -56,3 +56,32 @@ def test_ifb_benchmark_exits_1_when_requests_did_not_complete(
     assert "error: requests did not complete (random trtbuild in-flight: 1 " in err and "needs more KV blocks" in err
     monkeypatch.setattr(sys, "argv", ["ifb.py", "--models", "random", "--allow-failures"])
     ifb.main()  # returns: accepted
+
+
+def test_quality_modelopt_column_skips_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """bench/quality.py's ModelOpt column: no ModelOpt means one printed reason and no figures; a ModelOpt run that
+    fails (here: no model, or no modelopt, in the worker's python) is a reason in both cells, not a crash."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import quality_modelopt as qm
+    import torch
+
+    monkeypatch.delenv("TRTBUILD_MODELOPT_PYTHON", raising=False)
+    monkeypatch.setattr(qm, "PEER_VENV", tmp_path / "no-venv" / "bin" / "python")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python"))
+    peer = qm.Peer(tmp_path, tmp_path, tmp_path, tmp_path / "valid.txt", tmp_path / "test.txt", 100)
+    assert peer.python is None and peer.row("fp8", 128, "none") is None
+    err = capsys.readouterr().err
+    assert "ModelOpt column skipped: nvidia-modelopt not importable (set TRTBUILD_MODELOPT_PYTHON" in err
+    monkeypatch.undo()
+
+    known = "w8a16, w4a16, w4a16_awq, w8a8_sq, fp8"
+    assert qm.skip_reason(qm.Spec("w4a8")) == f"no ModelOpt config for w4a8 (known: {known})"
+    windows = torch.arange(64, dtype=torch.int64)
+    inputs = qm.Inputs(tmp_path / "missing-hf", windows.view(2, 32), windows, 32, reference=None)
+    got = qm.measure(qm.Spec("w4a16_awq", 32), inputs, sys.executable, tmp_path / "work")
+    assert isinstance(got["engine"], str) and got["engine"] == got["fake_quant"] and "Error" in got["engine"]
+    row = {"method": "w4a16_awq", "group": 32, "kv_cache": "none", "ppl_ratio": 1.1, "kld_mean": 0.2}
+    line = qm.markdown([{**row, "modelopt": got}])[2]
+    assert line.startswith("| w4a16_awq | 32 | none | 1.1000 / 0.20000 | ") and line.count("|") == 7
