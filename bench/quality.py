@@ -4,6 +4,8 @@ evaluated on held-out text (WikiText-2 test: other articles; the stage refuses t
 python bench/quality.py              # prints a markdown table (or --json); figures go to docs/quality.md
 python bench/quality.py --methods w4a16,w4a16_awq --eval-data ../shared/data/wikitext-2/wiki.test.raw \
     --eval-tokens 30000             # the int4 rows on raw text
+python bench/quality.py --methods w8a8_sq,fp8 --eval-data ../shared/data/wikitext-2/wiki.test.raw --eval-tokens 30000
+                                    # SmoothQuant at α 0.5 and α searched per layer; FP8
 """
 
 from __future__ import annotations
@@ -18,23 +20,26 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import quality_modelopt  # noqa: E402  bench/: ModelOpt's column
+
 from toolchain.checkpoint.convert import convert  # noqa: E402
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
-CONFIGS = [
-    ("w8a16", 128, "none"),
-    ("w4a16", 32, "none"),
-    ("w4a16", 64, "none"),
-    ("w4a16", 128, "none"),
-    ("w4a16_awq", 32, "none"),
-    ("w4a16_awq", 64, "none"),
-    ("w4a16_awq", 128, "none"),
-    ("w8a8_sq", 128, "none"),
-    ("fp8", 128, "none"),
-    ("w8a16", 128, "int8"),
-    ("w8a16", 128, "fp8"),
-    ("fp8", 128, "fp8"),
+CONFIGS: list[tuple[str, int, str, float | str]] = [  # method, group size, KV cache, SmoothQuant α
+    ("w8a16", 128, "none", 0.5),
+    ("w4a16", 32, "none", 0.5),
+    ("w4a16", 64, "none", 0.5),
+    ("w4a16", 128, "none", 0.5),
+    ("w4a16_awq", 32, "none", 0.5),
+    ("w4a16_awq", 64, "none", 0.5),
+    ("w4a16_awq", 128, "none", 0.5),
+    ("w8a8_sq", 128, "none", 0.5),
+    ("w8a8_sq", 128, "none", "auto"),
+    ("fp8", 128, "none", 0.5),
+    ("w8a16", 128, "int8", 0.5),
+    ("w8a16", 128, "fp8", 0.5),
+    ("fp8", 128, "fp8", 0.5),
 ]
 
 
@@ -46,26 +51,41 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=60_000)
     ap.add_argument("--methods", help="comma-separated subset of the methods (default: all)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--modelopt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ModelOpt's figures on the same calibration windows and tokens (skipped, saying why, without ModelOpt)",
+    )
     args = ap.parse_args()
     configs = [c for c in CONFIGS if not args.methods or c[0] in args.methods.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as work:
         ckpt = Path(work) / "ckpt"
         convert(args.model, ckpt)
-        for method, group, kv in configs:
-            opts = QuantizeOptions(method, kv, group, calib_data=args.calib_data, calib_samples=64, calib_seq_len=256)
+        peer = None
+        if args.modelopt:  # ModelOpt on the same calibration windows (64 x 256, seed 0) and scored tokens
+            peer = quality_modelopt.Peer(
+                args.model, ckpt, Path(work), args.calib_data, args.eval_data, args.eval_tokens
+            )
+        for method, group, kv, alpha in configs:
+            opts = QuantizeOptions(
+                method, kv, group, calib_data=args.calib_data, calib_samples=64, calib_seq_len=256, sq_alpha=alpha
+            )
             start = time.perf_counter()
-            out = Path(work) / f"{method}-{group}-{kv}"
+            out = Path(work) / f"{method}-{group}-{kv}-{alpha}"
             r = quantize_checkpoint(ckpt, out, opts, eval_data=args.eval_data, eval_tokens=args.eval_tokens)
             rows.append(
                 {
-                    "method": method,
+                    "method": f"{method} (α {alpha})" if method == "w8a8_sq" else method,
                     "group": group if method.startswith("w4a16") else None,
                     "kv_cache": kv,
                     "seconds": time.perf_counter() - start,
                     **r["quality"],
                 }
             )
+        for r in rows if peer else []:  # ModelOpt's run on each row's spec, same windows and tokens
+            r["modelopt"] = peer.row(r["method"], r["group"], r["kv_cache"])
     if args.json:
         print(json.dumps(rows, indent=2))
         return
@@ -81,6 +101,9 @@ def main() -> None:
             f"| {r['kld_p99']:.4f} | {100 * r['same_top1']:.2f} % | {100 * r['dp_rms']:.2f} % |"
         )
     print(f"PPL(reference) = {rows[0]['ppl_reference']:.3f}")
+    if peer and peer.python:
+        print("\nPPL ratio / mean KLD, same calibration windows and scored tokens:")
+        print("\n".join(quality_modelopt.markdown(rows)))
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from toolchain.quantize.calibrate import KV_CLIP, Calibration, kv_cache_clip
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
     dequantize_groupwise,
@@ -14,6 +15,7 @@ from toolchain.quantize.core import (
     quantize_per_channel,
     unpack_int4,
 )
+from toolchain.quantize.fake import fake_quant
 
 
 def weights(out: int = 16, inp: int = 64, seed: int = 0) -> torch.Tensor:
@@ -75,3 +77,19 @@ def test_int4_packing_round_trips_and_layout() -> None:
     assert byte & 0xF == int(codes[0, 0]) & 0xF and byte >> 4 == int(codes[1, 0]) & 0xF
     with pytest.raises(ValueError, match="must be even"):
         pack_int4(codes[:5])
+
+
+def test_int8_kv_clip_search() -> None:
+    """A few large |k| set the max; the clip ratio that minimises the squared error of the sampled values is kept,
+    and no clipping when every value is alike in size."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(1024, 16, generator=gen)
+    rows[0, :2] = 40.0  # an attention-sink-like outlier row
+    calib = Calibration(kv_amax={"l": rows.abs().max().item()}, kv_sample={"l": rows})
+    r = kv_cache_clip(calib, "l")
+    errors = {c: (fake_quant(rows, 40.0 * c / 127, "INT8") - rows).pow(2).sum().item() for c in KV_CLIP}
+    assert r == min(errors, key=lambda c: errors[c]) and r < 1 and errors[r] < errors[1.0]
+    flat = torch.full((64, 16), 3.0)
+    flat[::2] = -3.0
+    assert kv_cache_clip(Calibration(kv_amax={"l": 3.0}, kv_sample={"l": flat}), "l") == 1.0
+    assert kv_cache_clip(Calibration(kv_amax={"l": 0.0}), "l") == 1.0  # never-seen layer: nothing to search

@@ -222,8 +222,11 @@ def quantize(
         list[str] | None, typer.Option("--exclude", help="Module glob left unquantized (repeatable); default lm_head.")
     ] = None,
     sq_alpha: Annotated[
-        float, typer.Option("--sq-alpha", min=0.0, max=1.0, help="w8a8_sq migration strength α (0: none, 1: all).")
-    ] = 0.5,
+        str,
+        typer.Option(
+            "--sq-alpha", help="w8a8_sq migration strength α (0: none, 1: all), or 'auto': searched per layer."
+        ),
+    ] = "0.5",
     eval_data: Annotated[
         Path | None, typer.Option("--eval-data", help="Text to measure the quality cost on (KLD, PPL ratio, top-1).")
     ] = None,
@@ -232,7 +235,7 @@ def quantize(
     json_out: JsonOpt = False,
 ) -> None:
     """Quantize a checkpoint (weights; FP8 activations and the KV cache from calibration) and report the cost."""
-    from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
+    from toolchain.quantize.stage import QuantizeOptions, parse_sq_alpha, quantize_checkpoint
 
     with _handled():
         opts = QuantizeOptions(
@@ -244,7 +247,7 @@ def quantize(
             calib_seq_len,
             seed,
             tuple(exclude) if exclude else ("lm_head",),
-            sq_alpha,
+            parse_sq_alpha(sq_alpha),
         )
         r = quantize_checkpoint(checkpoint, output, opts, eval_data, eval_tokens, force)
     lines = [

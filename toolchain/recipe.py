@@ -24,6 +24,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -97,9 +98,18 @@ class QuantizeSection(_Section):
     calib_samples: StrictInt = Field(64, ge=1, description="Calibration windows")
     calib_seq_len: StrictInt = Field(256, ge=2, description="Tokens per calibration window")
     exclude: list[StrictStr] = Field(["lm_head"], description="Module globs left unquantized")
-    sq_alpha: StrictFloat = Field(0.5, ge=0, le=1, description="SmoothQuant migration strength (w8a8_sq)")
+    sq_alpha: StrictFloat | Literal["auto"] = Field(
+        0.5, description="SmoothQuant migration strength in [0, 1] (w8a8_sq), or 'auto': searched per layer"
+    )
     eval_data: Path | None = Field(None, description="Text to measure the quality cost on; relative to the recipe")
     eval_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of eval_data to score")
+
+    @field_validator("sq_alpha", mode="before")
+    @classmethod
+    def _sq_alpha(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= 1):
+            return value
+        raise ValueError("must be a number in [0, 1] or 'auto'")
 
 
 class BuildSection(_Section):

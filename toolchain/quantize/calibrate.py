@@ -1,8 +1,9 @@
 """Calibration: run sample windows of text through the reference forward and record, per linear layer, the
 largest |input| overall and per input channel (activation scales, SmoothQuant), the mean |input| per channel over
 every calibration token and a bounded sample of input rows spread evenly over all of them (AWQ's searches), and per
-attention layer the largest |k| and |v| as the KV cache stores them (after rotary). Only running statistics and a
-bounded row sample are kept, never all activations."""
+attention layer the largest |k| and |v| as the KV cache stores them (after rotary) with a bounded sample of token
+rows of k and v (the INT8 KV scale's clip search). Only running statistics and bounded row samples are kept, never
+all activations."""
 
 from __future__ import annotations
 
@@ -11,9 +12,12 @@ from dataclasses import dataclass, field
 import torch
 
 from toolchain.errors import UserError
+from toolchain.quantize.fake import fake_quant
 from toolchain.reference.model import Hooks, ReferenceModel
 
 SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's searches: bounded, whatever the calibration size
+KV_SAMPLE_ROWS = 1024  # token rows of [k | v] kept per attention layer for the INT8 KV scale's clip search
+KV_CLIP = tuple(1 - i / 40 for i in range(19))  # INT8 KV clip ratios: 1, 0.975, ..., 0.55
 
 
 @dataclass
@@ -25,11 +29,14 @@ class Calibration:
     tokens: dict[str, int] = field(default_factory=dict)
     input_sample: dict[str, torch.Tensor] = field(default_factory=dict)  # prefix -> up to SAMPLE_ROWS rows of x
     sample_every: int = 1  # keep every n-th token's row: `for_tokens` spreads the sample over the whole calibration
+    kv_sample: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> up to KV_SAMPLE_ROWS rows of [k | v]
+    kv_tokens: dict[str, int] = field(default_factory=dict)
+    kv_sample_every: int = 1
 
     @classmethod
     def for_tokens(cls, tokens: int) -> Calibration:
         """Statistics of `tokens` calibration tokens (per linear), the row sample taken evenly across them."""
-        return cls(sample_every=max(-(-tokens // SAMPLE_ROWS), 1))
+        return cls(sample_every=max(-(-tokens // SAMPLE_ROWS), 1), kv_sample_every=max(-(-tokens // KV_SAMPLE_ROWS), 1))
 
     def mean_abs(self, prefix: str) -> torch.Tensor:
         return self.input_abs_sum[prefix] / self.tokens[prefix]
@@ -45,6 +52,15 @@ class Observer(Hooks):
                 raise UserError(f"calibration: NaN/Inf in the activations at {name}; check that layer's weights")
             table[name] = max(table.get(name, 0.0), tensor.abs().max().item())
 
+    @staticmethod
+    def _sample(kept: torch.Tensor | None, rows: torch.Tensor, counted: int, every: int, limit: int) -> torch.Tensor:
+        """`kept` plus this batch's rows at token counted + i ≡ 0 (mod every): one stride over all batches."""
+        kept = rows[:0].float() if kept is None else kept
+        if kept.shape[0] >= limit:
+            return kept
+        picked = rows[-counted % every :: every]
+        return torch.cat([kept, picked[: limit - kept.shape[0]].float()])
+
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         c = self.calibration
         self._record(c.input_amax, prefix, x)
@@ -55,15 +71,29 @@ class Observer(Hooks):
         c.input_abs_sum[prefix] = c.input_abs_sum.get(prefix, 0) + rows.abs().sum(0)
         counted = c.tokens.get(prefix, 0)
         c.tokens[prefix] = counted + rows.shape[0]
-        kept = c.input_sample.get(prefix, rows[:0].float())
-        if kept.shape[0] < SAMPLE_ROWS:  # token counted + i ≡ 0 (mod sample_every): one stride over all batches
-            picked = rows[-counted % c.sample_every :: c.sample_every]
-            c.input_sample[prefix] = torch.cat([kept, picked[: SAMPLE_ROWS - kept.shape[0]].float()])
+        c.input_sample[prefix] = self._sample(c.input_sample.get(prefix), rows, counted, c.sample_every, SAMPLE_ROWS)
         return x
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._record(self.calibration.kv_amax, layer, k, v)
+        c = self.calibration
+        self._record(c.kv_amax, layer, k, v)
+        rows = torch.cat([t.transpose(1, 2).flatten(2) for t in (k, v)], -1).flatten(0, 1)  # [tokens, 2·kv dim]
+        counted = c.kv_tokens.get(layer, 0)
+        c.kv_tokens[layer] = counted + rows.shape[0]
+        c.kv_sample[layer] = self._sample(c.kv_sample.get(layer), rows, counted, c.kv_sample_every, KV_SAMPLE_ROWS)
         return k, v
+
+
+def kv_cache_clip(calibration: Calibration, layer: str) -> float:
+    """The INT8 KV cache scale of `layer` is max(|k|, |v|) · r / 127, r on KV_CLIP chosen to minimise the squared
+    quantization error of the sampled k and v values (the first of equals): a few large |k| set the max, and
+    clipping them a little buys a finer step for all the rest. Percentiles clip far too much (docs/quality.md)."""
+    amax, sample = calibration.kv_amax[layer], calibration.kv_sample.get(layer)
+    if sample is None or amax <= 0:
+        return 1.0
+    x = sample.double()
+    errors = {r: (fake_quant(x, amax * r / 127, "INT8") - x).pow(2).sum().item() for r in KV_CLIP}
+    return min(errors, key=lambda r: errors[r])
 
 
 def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) -> torch.Tensor:

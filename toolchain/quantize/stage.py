@@ -1,8 +1,10 @@
 """`trtbuild quantize`: a TensorRT-LLM checkpoint -> a quantized one, plus (optionally) its quality report.
 
-Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor); AWQ scale and clip
-searches (awq.py); SmoothQuant migration then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and
-KV-cache scales from calibration maxima. Embeddings are never quantized, lm_head only when not excluded.
+Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 per tensor, mlp.fc and mlp.gate
+sharing one FP8 weight scale); AWQ scale and clip searches (awq.py); SmoothQuant migration at a fixed α or α searched
+per layer, then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and FP8 KV-cache scales from
+calibration maxima, INT8 KV-cache scales from a clip search below the maximum (calibrate.py). Embeddings are never
+quantized, lm_head only when not excluded.
 
 Memory: w8a16 / w4a16 with no KV cache and no --eval-data stream, one tensor in memory at a time; the methods that
 calibrate go layer by layer (one layer's float weights, the calibration hidden states, and the quantized model so
@@ -40,7 +42,7 @@ from toolchain.evaluate.quality import QualityReport, compare
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quantize.awq import AwqChoice, quantize_awq, search_group, shared_input_groups
-from toolchain.quantize.calibrate import Calibration, Observer, calibrate, sample_windows
+from toolchain.quantize.calibrate import Calibration, Observer, calibrate, kv_cache_clip, sample_windows
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
     pack_int4,
@@ -58,7 +60,7 @@ from toolchain.quantize.scheme import (
     excluded,
     quantizable,
 )
-from toolchain.quantize.smoothquant import smooth_layer
+from toolchain.quantize.smoothquant import Alpha, AlphaChoice, smooth_layer
 from toolchain.reference.model import Hooks, ReferenceModel
 
 
@@ -72,7 +74,7 @@ class QuantizeOptions:
     calib_seq_len: int = 256
     seed: int = 0
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
-    sq_alpha: float = 0.5
+    sq_alpha: Alpha = 0.5  # or "auto": searched per group of linears (smoothquant.py)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -83,12 +85,52 @@ class QuantizeOptions:
             raise UserError(f"group size {self.group_size} is not supported; choose one of {GROUP_SIZES}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise UserError("calibration needs at least 1 sample of at least 2 tokens")
-        if not 0 <= self.sq_alpha <= 1:
-            raise UserError(f"SmoothQuant alpha {self.sq_alpha} is outside [0, 1]")
+        if isinstance(self.sq_alpha, str) and self.sq_alpha != "auto":
+            raise UserError(f"SmoothQuant alpha {self.sq_alpha!r} is neither a number in [0, 1] nor 'auto'")
+        if not isinstance(self.sq_alpha, str) and not 0 <= self.sq_alpha <= 1:
+            raise UserError(f"SmoothQuant alpha {self.sq_alpha} is outside [0, 1]; pass a number in [0, 1] or 'auto'")
+
+    @property
+    def smoothquant_val(self) -> float:
+        """config.json's `smoothquant_val`: the fixed α, or TensorRT-LLM's default 0.5 when α was searched per
+        layer (TensorRT-LLM reads it only when it smooths itself; the manifest records each searched α)."""
+        return 0.5 if isinstance(self.sq_alpha, str) else self.sq_alpha
 
     @property
     def needs_calibration(self) -> bool:
         return self.method in ("fp8", "w4a16_awq", "w8a8_sq") or self.kv_cache != "none"
+
+
+def parse_sq_alpha(text: str) -> Alpha:
+    """`--sq-alpha` / a recipe's `sq_alpha`: a number in [0, 1] or 'auto' (range checked by QuantizeOptions)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise UserError(f"--sq-alpha {text!r} is neither a number in [0, 1] nor 'auto'") from None
+
+
+def _fp8_shared_amax(weights: dict[str, torch.Tensor], linears: list[str]) -> dict[str, torch.Tensor]:
+    """max |w| of mlp.fc and mlp.gate together, for each layer where both are quantized: TensorRT-LLM fuses the two
+    into one GEMM with one per-tensor scale, max(gate scale, fc scale), re-quantizing the FP8 weights to it
+    (`fuse_gate_mlp`, tensorrt_llm/models/modeling_utils.py); ModelOpt's export gives both that max amax up front
+    (`preprocess_linear_fusion`, modelopt/torch/export/quant_utils.py). Computed before any of them is quantized."""
+    shared: dict[str, torch.Tensor] = {}
+    for fc in [p for p in linears if p.endswith(".mlp.fc")]:
+        gate = fc.removesuffix(".fc") + ".gate"
+        if gate in linears:
+            amax = torch.maximum(weights[f"{fc}.weight"].abs().amax(), weights[f"{gate}.weight"].abs().amax())
+            shared[fc] = shared[gate] = amax
+    return shared
+
+
+def _fp8_partner(prefix: str) -> str | None:
+    if prefix.endswith(".mlp.fc"):
+        return prefix.removesuffix(".fc") + ".gate"
+    if prefix.endswith(".mlp.gate"):
+        return prefix.removesuffix(".gate") + ".fc"
+    return None
 
 
 def _quantize_linear(
@@ -98,8 +140,10 @@ def _quantize_linear(
     calib: Calibration,
     dtype: torch.dtype,
     awq: AwqChoice | None = None,
+    fp8_amax: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """One linear's tensors; `awq` is its AWQ search result (w4a16_awq only, see `_awq_choices`)."""
+    """One linear's tensors; `awq` is its AWQ search result (w4a16_awq only, see `_awq_choices`); `fp8_amax` the
+    weight amax an FP8 linear shares with its fused partner (`_fp8_shared_amax`)."""
     if opts.method == "w8a16":
         codes, scale = quantize_per_channel(weight)
         return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
@@ -125,8 +169,9 @@ def _quantize_linear(
         pad = -weight.shape[1] % opts.group_size  # zero input channels: exact whatever the input
         codes, scale = quantize_groupwise(F.pad(weight.float(), (0, pad)), opts.group_size)
         return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale}
-    codes, scale = quantize_fp8(weight)
-    act = calib.input_amax[prefix] / FP8_E4M3_MAX
+    codes, scale = quantize_fp8(weight, fp8_amax)
+    partner = _fp8_partner(prefix) if fp8_amax is not None else None  # fused: one activation scale too (the max)
+    act = max(calib.input_amax[prefix], calib.input_amax.get(partner, 0.0) if partner else 0.0) / FP8_E4M3_MAX
     return {
         f"{prefix}.weight": codes,
         f"{prefix}.weights_scaling_factor": scale,
@@ -196,7 +241,7 @@ def _calibration(
 
 def _quantize_layerwise(
     source: Path, cfg: ModelConfig, opts: QuantizeOptions, chosen: set[str], windows: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], Calibration, dict[str, AwqChoice]]:
+) -> tuple[dict[str, torch.Tensor], Calibration, dict[str, AwqChoice], dict[str, AlphaChoice]]:
     """Calibrate and quantize one decoder layer at a time: the calibration windows' hidden states go through
     layer i (its float weights the only ones in memory), its statistics are recorded, and its linears are
     quantized at once. Same statistics, same order, same bytes as calibrating the whole model first."""
@@ -208,6 +253,7 @@ def _quantize_layerwise(
     in_layers = {n for names in layers.values() for n in names}
     calib = Calibration.for_tokens(windows.numel())
     awq: dict[str, AwqChoice] = {}
+    alphas: dict[str, AlphaChoice] = {}
     with path.open("rb") as f, torch.no_grad():
 
         def load(names: list[str]) -> dict[str, torch.Tensor]:
@@ -227,13 +273,17 @@ def _quantize_layerwise(
                 del model.w[n]
             prefix = f"transformer.layers.{i}"
             if opts.method == "w8a8_sq":
-                prequant = smooth_layer(layer, prefix, calib, opts.sq_alpha, chosen)
+                prequant, searched = smooth_layer(layer, prefix, calib, opts.sq_alpha, chosen)
                 layer.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
+                alphas.update(searched)
             linears = sorted(p for p in chosen if p.startswith(f"{prefix}."))
             awq.update(_awq_choices(opts, layer, linears, calib, cfg.torch_dtype))
+            shared = _fp8_shared_amax(layer, linears) if opts.method == "fp8" else {}
             for linear in linears:
                 weight = layer[f"{linear}.weight"]
-                layer.update(_quantize_linear(opts, linear, weight, calib, cfg.torch_dtype, awq.get(linear)))
+                layer.update(
+                    _quantize_linear(opts, linear, weight, calib, cfg.torch_dtype, awq.get(linear), shared.get(linear))
+                )
             for linear in [p for p in calib.input_sample if p.startswith(f"{prefix}.")]:
                 del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's searches used them)
             out.update(layer)
@@ -244,7 +294,7 @@ def _quantize_layerwise(
             awq.update(_awq_choices(opts, out, ["lm_head"], calib, cfg.torch_dtype))
             weight = out["lm_head.weight"]
             out.update(_quantize_linear(opts, "lm_head", weight, calib, cfg.torch_dtype, awq.get("lm_head")))
-    return out, calib, awq
+    return out, calib, awq, alphas
 
 
 def quantize_checkpoint(
@@ -283,29 +333,37 @@ def quantize_checkpoint(
     model: ReferenceModel | None = None
     if layerwise:
         windows, calib_info = _windows(source, opts)
-        out, calib, awq = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
+        out, calib, awq, alphas = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
     else:
         # the float reference (a float32 copy of the weights) only when calibration or evaluation needs it
         model = ReferenceModel(cfg, weights) if opts.needs_calibration or eval_data else None
         calib, calib_info = _calibration(source, opts, model)
         out = weights  # quantized in place: each float weight is released once its codes replace it
         awq = {} if stream else _awq_choices(opts, out, chosen, calib, cfg.torch_dtype)
+        alphas = {}
     if opts.method == "w8a8_sq" and not layerwise:
         for i in range(cfg.num_hidden_layers):
-            prequant = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
+            prequant, searched = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
             out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
-    for prefix in [] if stream or layerwise else chosen:  # the streaming paths have quantized already
-        out.update(_quantize_linear(opts, prefix, out[f"{prefix}.weight"], calib, cfg.torch_dtype, awq.get(prefix)))
+            alphas.update(searched)
+    todo = [] if stream or layerwise else chosen  # the streaming paths have quantized already
+    shared = _fp8_shared_amax(out, todo) if opts.method == "fp8" else {}
+    for prefix in todo:
+        weight = out[f"{prefix}.weight"]
+        out.update(_quantize_linear(opts, prefix, weight, calib, cfg.torch_dtype, awq.get(prefix), shared.get(prefix)))
     kv_algo = KV_CACHE[opts.kv_cache]
+    kv_clip: dict[str, float] = {}
     if kv_algo:
         for layer, amax in calib.kv_amax.items():
-            scale = amax / KV_MAXBOUND[kv_algo]
+            if kv_algo == "INT8":  # FP8's error is relative to each value: clipping buys nothing (docs/quality.md)
+                kv_clip[layer] = kv_cache_clip(calib, layer)
+            scale = amax * kv_clip.get(layer, 1.0) / KV_MAXBOUND[kv_algo]
             out[f"{layer}.attention.kv_cache_scaling_factor"] = torch.tensor([scale if scale > 0 else 1.0])
     quant = QuantConfig(
         quant_algo=METHODS[opts.method],
         kv_cache_quant_algo=kv_algo,
         group_size=opts.group_size,
-        smoothquant_val=opts.sq_alpha,
+        smoothquant_val=opts.smoothquant_val,
         pre_quant_scale=opts.method in ("w4a16_awq", "w8a8_sq"),
         exclude_modules=sorted(set(linears) - set(chosen) | {"transformer.vocab_embedding"}),
     )
@@ -320,6 +378,10 @@ def quantize_checkpoint(
         quantized_modules=len(chosen),
         calibration=calib_info or None,
     )
+    if kv_clip:  # per layer: the INT8 KV scale's clip ratio r (scale = max(|k|, |v|) · r / 127)
+        record.details["kv_cache_clip"] = dict(sorted(kv_clip.items()))
+    if alphas:  # per linear (--sq-alpha auto): the searched α, its output error relative to α = 0.5's
+        record.details["smoothquant"] = {prefix: choice.summary() for prefix, choice in sorted(alphas.items())}
     if awq:  # per linear: α, output error vs round-to-nearest, mean clip ratio, share of groups clipped
         record.details["awq"] = {prefix: choice.summary() for prefix, choice in sorted(awq.items())}
     with atomic_dir(out_dir, force, inputs=(source,)) as tmp:
