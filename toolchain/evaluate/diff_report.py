@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.evaluate.golden import readable
-from toolchain.evaluate.report import _md_code
+from toolchain.evaluate.report import _md_code, write_report_files
 
 OLD_COLOR, NEW_COLOR, REF_COLOR = "#8c8c8c", "#4a7bd0", "#d0574a"
 SERIES = {  # quality series -> (label, color)
@@ -22,11 +22,7 @@ SERIES = {  # quality series -> (label, color)
 
 
 def write_reports(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
-    paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(result), encoding="utf-8")
-    paths[2].write_text(page(result), encoding="utf-8")
-    return paths
+    return write_report_files(out_dir, result, markdown(result), page(result))
 
 
 def verdict(result: dict[str, Any]) -> str:

@@ -14,10 +14,15 @@ from toolchain.evaluate.quality import QualityReport
 
 
 def write_reports(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    return write_report_files(out_dir, result, markdown(result), page(result))
+
+
+def write_report_files(out_dir: Path, result: dict[str, Any], md: str, html_page: str) -> list[Path]:
+    """report.json, report.md and report.html (eval's and diff's reports alike)."""
     paths = [out_dir / "report.json", out_dir / "report.md", out_dir / "report.html"]
     paths[0].write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-    paths[1].write_text(markdown(result), encoding="utf-8")
-    paths[2].write_text(page(result), encoding="utf-8")
+    paths[1].write_text(md, encoding="utf-8")
+    paths[2].write_text(html_page, encoding="utf-8")
     return paths
 
 
