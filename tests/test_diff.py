@@ -72,6 +72,21 @@ def test_change_table_names_the_quantization_and_nothing_else(cli: Any, builds: 
     assert text.exit_code == 0 and "quantization method" in text.stdout and "none -> w8a16" in text.stdout
 
 
+def test_two_checkouts_of_one_recipe_are_the_same_build(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
+    """The recipe is compared as written (model.path relative to the recipe), not as resolved to absolute paths."""
+    outs = []
+    for checkout in ("a", "b"):
+        shutil.copytree(builds["tiny"], tmp_path / checkout / "tiny")
+        outs.append(run(tmp_path / checkout / "r.yaml", recipe_text(Path("tiny")), tmp_path / checkout / "out"))
+    result = cli("diff", *outs, "--changes-only", "--json")
+    assert result.exit_code == 0, result.stderr
+    r = json.loads(result.stdout)
+    assert r["same_build"] and r["changed"] == 0, changed(r)
+    assert any(
+        row["section"] == "recipe" and row["key"] == "model.path" and row["old"] == "tiny" for row in r["changes"]
+    )
+
+
 def test_identical_builds_say_so(cli: Any, builds: dict[str, Path]) -> None:
     result = cli("diff", builds["fp32"], builds["fp32_again"] / "engine", "--changes-only", "--json")
     assert result.exit_code == 0, result.stderr

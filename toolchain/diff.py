@@ -87,7 +87,10 @@ class Side:
 
     @property
     def recipe(self) -> dict[str, Any] | None:
-        recipe: dict[str, Any] | None = self.manifests["build"].get("recipe")
+        """The recipe as written (paths relative to the recipe file, so two checkouts compare equal) where the run
+        recorded it, else the resolved one (absolute paths)."""
+        build = self.manifests["build"]
+        recipe: dict[str, Any] | None = build["details"].get("recipe_as_written") or build.get("recipe")
         return recipe
 
     @property

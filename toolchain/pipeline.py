@@ -147,9 +147,12 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
     previous = out if previous_run and not force else None
     keys = _stage_keys(recipe)
 
+    written = loaded.written.model_dump(mode="json")  # what recipe_sha256 is of: paths relative to the recipe
+
     def record(stage: str, tmp: Path) -> StageRecord:
         r = StageRecord(stage, recipe=resolved, recipe_sha256=sha, run_dir=tmp)
         r.details["cache_key"] = keys.get(stage)
+        r.details["recipe_as_written"] = written
         return r
 
     stages: dict[str, dict[str, Any]] = {}
