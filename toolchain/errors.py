@@ -20,6 +20,6 @@ class UserError(Exception):
 def read_utf8(path: Path) -> str:
     """A user's text file (dataset, prompts, keys) of any size; bytes that are not UTF-8, and paths that are not
     regular files (a FIFO, /dev/zero), are user errors. Files of a bounded kind use files.read_text_capped."""
-    from toolchain.files import read_text_capped  # files.py imports UserError from here
+    from toolchain.files import TEXT_LIMIT, read_text_capped  # files.py imports UserError from here
 
-    return read_text_capped(path, None, "text")
+    return read_text_capped(path, TEXT_LIMIT, "text")

@@ -87,10 +87,11 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         e = recipe.eval
         own: dict[str, Any] = {"data": True, "golden": True, "baseline": True, "gates": set(DIFF_GATES)}  # diff's
         settings = e.model_dump(mode="json", exclude=own)
-        keys["eval"] = _digest(upstream, settings, _files(e.data, e.golden))
+        inputs = _files(e.data, e.golden)  # hashed once for both stages
+        keys["eval"] = _digest(upstream, settings, inputs)
         diff_settings = baseline_settings(e)  # the diff against the released engine: by its manifest, not its path
         if diff_settings is not None:
-            keys["diff"] = _digest(upstream, diff_settings, _files(e.data, e.golden))
+            keys["diff"] = _digest(upstream, diff_settings, inputs)
     return keys
 
 

@@ -43,6 +43,11 @@ def load_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def has_tokenizer(directory: Path) -> bool:
+    """A tokenizer transformers can load: tokenizer.json, a SentencePiece model or a BPE vocab."""
+    return any((directory / name).is_file() for name in TOKENIZER_CORE)
+
+
 @dataclass
 class HFCheckpoint:
     """A Hugging Face model directory, opened lazily: headers are read up front, tensor data on demand."""
@@ -109,7 +114,7 @@ class HFCheckpoint:
         return [self.root / n for n in TOKENIZER_FILES if (self.root / n).is_file()]
 
     def has_tokenizer(self) -> bool:
-        return any((self.root / n).is_file() for n in TOKENIZER_CORE)
+        return has_tokenizer(self.root)
 
     def reader(self) -> TensorReader:
         return TensorReader(self)

@@ -206,7 +206,7 @@ def kv_cache_scale(weights: dict[str, torch.Tensor], layer: str, source: str = "
     TensorRT-LLM's loader merges them into `kv_cache_scaling_factor = max(k, v)` and drops them
     (`preprocess_weights` -> `process_kv_scaling_factor`, tensorrt_llm/models/modeling_utils.py), and so do we. A
     `kv_cache_scaling_factor` written beside them must be that max."""
-    kv, k, v = (f"{layer}.attention.{n}_cache_scaling_factor" for n in ("kv", "k", "v"))
+    kv, k, v = kv_scale_names(layer)
     if (k in weights) != (v in weights):
         have, lack = (k, v) if k in weights else (v, k)
         raise UserError(f"{source}: {have} without {lack}; the K and V cache scales come as a pair")
@@ -223,9 +223,10 @@ def kv_cache_scale(weights: dict[str, torch.Tensor], layer: str, source: str = "
     return _scalar(weights, kv, source)
 
 
-def kv_scale_names(layer: str) -> tuple[str, ...]:
-    """Every tensor `kv_cache_scale` may read for `layer`."""
-    return tuple(f"{layer}.attention.{n}_cache_scaling_factor" for n in ("kv", "k", "v"))
+def kv_scale_names(layer: str) -> tuple[str, str, str]:
+    """The merged, K and V cache scale tensors of `layer`: every one `kv_cache_scale` may read."""
+    kv, k, v = (f"{layer}.attention.{n}_cache_scaling_factor" for n in ("kv", "k", "v"))
+    return kv, k, v
 
 
 def _scalar(weights: dict[str, torch.Tensor], name: str, source: str) -> float:

@@ -20,7 +20,7 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES
+from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES, has_tokenizer
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.engine import tensorrt_backend
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
@@ -66,10 +66,6 @@ def _choose_backend(requested: str, record: StageRecord) -> str:
         record.warnings.append(note)
         return "onnxruntime"
     return requested
-
-
-def has_tokenizer(directory: Path) -> bool:
-    return any((directory / name).is_file() for name in TOKENIZER_CORE)
 
 
 def require_tokenizer(engine_dir: Path) -> None:

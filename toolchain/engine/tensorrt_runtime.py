@@ -133,11 +133,11 @@ class TrtEngine:
         with self._on_stream():
             logits, inputs = self._enqueue(batch, kv_cache)
             greedy = logits.argmax(dim=1).to("cpu", non_blocking=True)
-            picked = logits[rows].to("cpu", non_blocking=True)
+            picked = logits[rows].to("cpu", non_blocking=True) if rows else None  # an all-greedy step copies no row
         self._stream.synchronize()
         del inputs
-        host = picked.numpy()
-        return StepTokens(greedy.numpy(), {row: host[j] for j, row in enumerate(rows)})
+        host = picked.numpy() if picked is not None else None
+        return StepTokens(greedy.numpy(), {row: host[j] for j, row in enumerate(rows)} if host is not None else {})
 
     def _enqueue(self, batch: Batch, kv_cache: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
         """Bind and enqueue one batch on the engine's stream -> (logits on the GPU, the inputs to keep alive until

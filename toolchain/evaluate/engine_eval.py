@@ -13,7 +13,7 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
-from toolchain.engine.api import Engine
+from toolchain.engine.api import Engine, load_tokenizer
 from toolchain.engine.contract import Batch
 from toolchain.errors import UserError
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
@@ -147,12 +147,7 @@ def evaluate_engine(
     report: QualityReport = summarize(stats)
     golden_results: list[dict[str, Any]] = []
     if golden is not None:
-        from transformers import AutoTokenizer
-
-        from toolchain.files import check_tokenizer_dir
-
-        check_tokenizer_dir(engine_dir)  # no FIFO or /dev/zero handed to transformers
-        tok = AutoTokenizer.from_pretrained(engine_dir)
+        tok = load_tokenizer(engine_dir)
         items, token_bytes = read_golden(golden), TokenBytes(tok)
         prompts = [tok(item.prompt, add_special_tokens=True)["input_ids"] for item in items]
         served = session.greedy(prompts, [item.max_new_tokens for item in items])
@@ -258,12 +253,7 @@ def run_eval(
         if gate == "golden_exact_min" and golden is None:
             raise UserError("gate golden_exact_min needs golden prompts: pass --golden PROMPTS.jsonl")
     if golden is not None:
-        from transformers import AutoTokenizer
-
-        from toolchain.files import check_tokenizer_dir
-
-        check_tokenizer_dir(engine_dir)  # no FIFO or /dev/zero handed to transformers
-        tok = AutoTokenizer.from_pretrained(engine_dir)
+        tok = load_tokenizer(engine_dir)
         for item in read_golden(golden):
             if not tok(item.prompt, add_special_tokens=True)["input_ids"]:
                 raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")

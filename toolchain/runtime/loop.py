@@ -183,7 +183,11 @@ class Runtime:
         batch = Batch.from_sequences(
             [s.tokens for s in scheduled], [s.context_len for s in scheduled], [s.request.blocks for s in scheduled]
         )
-        sampled = [i for i, s in enumerate(scheduled) if s.request.params.temperature != 0]
+        sampled = [  # rows sampled on the host: temperature > 0 and the prompt complete after this step
+            i
+            for i, s in enumerate(scheduled)
+            if s.request.params.temperature != 0 and s.context_len + len(s.tokens) >= len(s.request.tokens)
+        ]
         step = self.engine.forward_tokens(batch, self.pool, sampled)
         self.steps += 1
         tpb = self.blocks.tokens_per_block

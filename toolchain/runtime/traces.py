@@ -28,7 +28,7 @@ from toolchain import console
 from toolchain.errors import UserError
 from toolchain.files import TRACE_LIMIT, read_text_capped
 
-MAX_GAP_S = 60.0  # default for `bench --max-gap-s`
+MAX_GAP_S = 60.0  # load_trace's default; `bench --max-gap-s` repeats it (cli.py imports no runtime module eagerly)
 _MAX_LEN = (1 << 31) - 1  # token counts beyond int32 are not a trace's
 
 
