@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_line_error
+from conftest import SHARED, one_line_error
 from test_fuzz_findings import mooncake, tiny_engine  # noqa: F401  (the module's engine fixture)
 
 SMALL = {"timestamp": 0, "input_length": 1, "output_length": 1}
@@ -74,12 +74,17 @@ def test_prefix_cache_hit_rate_on_every_trace(cli: Any, tiny_engine: Path, tmp_p
     assert off["enabled"] is False and off["cached_prompt_tokens"] == 0 and off["hit_rate"] == 0
     table = cli("bench", tiny_engine, "--trace", trace, "--rate-scale", "10").stdout
     assert "prefix cache  44.1 % of prompt tokens (112/254)" in table
-    azure = Path(__file__).resolve().parents[2] / "shared/data/traces/AzureLLMInferenceTrace_conv.csv"
-    if azure.is_file():  # no shared prefixes in an Azure trace: the rate is there, and it is 0
-        r = json.loads(
-            cli("bench", tiny_engine, "--trace", azure, "--max-requests", "3", "--rate-scale", "50", "--json").stdout
-        )
-        assert r["prefix_cache"]["hit_rate"] == 0 and r["prefix_cache"]["prompt_tokens"] > 0
+
+
+def test_prefix_cache_hit_rate_is_reported_on_an_azure_trace(cli: Any, tiny_engine: Path) -> None:  # noqa: F811
+    """No shared prefixes in an Azure trace: the rate is there, and it is 0."""
+    azure = SHARED / "traces" / "AzureLLMInferenceTrace_conv.csv"
+    if not azure.is_file():
+        pytest.skip(f"shared data absent: {azure} (present in CI; a fresh clone has no ../shared)")
+    r = json.loads(
+        cli("bench", tiny_engine, "--trace", azure, "--max-requests", "3", "--rate-scale", "50", "--json").stdout
+    )
+    assert r["prefix_cache"]["hit_rate"] == 0 and r["prefix_cache"]["prompt_tokens"] > 0
 
 
 def test_static_is_what_its_label_says(
