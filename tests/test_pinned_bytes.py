@@ -1,0 +1,136 @@
+"""Refactors keep the bytes: every quantization method's checkpoint and engine graph, on three families built
+here from fixed seeds, hash to the sha256 recorded in tests/pins/bytes.json (recorded at 1240021, before the
+model description and the quantization-method registry of issue 12 replaced the string tests they came from).
+
+Record again only for a change meant to alter the output, and say why in the commit:
+    .venv/bin/python tests/test_pinned_bytes.py --record
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.tiny import make_tiny_llama
+from toolchain.engine.build import BuildOptions, build_engine
+from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
+
+PINS = Path(__file__).parent / "pins" / "bytes.json"
+FILES = ("config.json", "rank0.safetensors")
+
+# name -> (family, method, kv cache, group size, sq alpha)
+CASES: dict[str, tuple[str, str, str, int, Any]] = {
+    "llama-w8a16": ("llama", "w8a16", "none", 128, 0.5),
+    "llama-w4a16-g32": ("llama", "w4a16", "none", 32, 0.5),
+    "llama-w4a16_awq-g64": ("llama", "w4a16_awq", "none", 64, 0.5),
+    "llama-w8a8_sq-int8kv": ("llama", "w8a8_sq", "int8", 128, 0.5),
+    "llama-w8a8_sq-auto": ("llama", "w8a8_sq", "none", 128, "auto"),
+    "llama-fp8-fp8kv": ("llama", "fp8", "fp8", 128, 0.5),
+    "gpt2-w8a8_sq": ("gpt2", "w8a8_sq", "none", 128, 0.5),
+    "gpt2-fp8": ("gpt2", "fp8", "none", 128, 0.5),
+    "qwen3-w4a16_awq-int8kv": ("qwen3", "w4a16_awq", "int8", 32, 0.5),
+    "qwen2-w8a16": ("qwen2", "w8a16", "none", 128, 0.5),
+}
+FAMILIES = ("llama", "gpt2", "qwen3", "qwen2")
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _text(path: Path) -> Path:
+    """Calibration text the byte-level tokenizer reads: fixed, varied, a few thousand bytes."""
+    g = torch.Generator().manual_seed(7)
+    words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "from", "home", "!", ","]
+    picks = torch.randint(len(words), (3000,), generator=g).tolist()
+    path.write_text(" ".join(words[i] for i in picks) + "\n")
+    return path
+
+
+def _hf(root: Path, family: str) -> Path:
+    """A tiny HF model of `family` with the demo's byte-level tokenizer (vocab 320)."""
+    demo = root / "demo-hf"
+    if not demo.exists():
+        make_tiny_llama(demo)
+    if family == "llama":
+        return demo
+    import transformers
+
+    out = root / f"{family}-hf"
+    if out.exists():
+        return out
+    small = {"vocab_size": 320, "max_position_embeddings": 128}
+    config = {
+        "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=320),
+        "qwen3": lambda: transformers.Qwen3Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=24,
+            **small,
+        ),
+        "qwen2": lambda: transformers.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **small,
+        ),
+    }[family]()
+    model_cls = {
+        "gpt2": transformers.GPT2LMHeadModel,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+    }[family]
+    torch.manual_seed(1)
+    model_cls(config).save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(demo / name, out / name)
+    return out
+
+
+def produce(root: Path, name: str) -> dict[str, str]:
+    family, method, kv, group, alpha = CASES[name]
+    ckpt = root / f"{family}-ckpt"
+    if not ckpt.exists():
+        convert(_hf(root, family), ckpt)
+    text = root / "calib.txt"
+    if not text.exists():
+        _text(text)
+    opts = QuantizeOptions(method, kv, group, calib_data=text, calib_samples=8, calib_seq_len=64, sq_alpha=alpha)
+    quantize_checkpoint(ckpt, root / name / "ckpt", opts)
+    build_engine(root / name / "ckpt", root / name / "engine", BuildOptions("onnxruntime", tokens_per_block=8))
+    hashes = {f: _sha(root / name / "ckpt" / f) for f in FILES}
+    hashes["model.onnx"] = _sha(root / name / "engine" / "model.onnx")
+    return hashes
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("pinned")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bytes_are_pinned(name: str, root: Path) -> None:
+    pinned = json.loads(PINS.read_text())[name]
+    assert produce(root, name) == pinned
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--record"]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        pins = {name: produce(Path(tmp), name) for name in CASES}
+    PINS.write_text(json.dumps(pins, indent=2) + "\n")
+    print(f"recorded {len(pins)} cases in {PINS}")
