@@ -288,7 +288,7 @@ def _quantize_layerwise(
                 del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's searches used them)
             out.update(layer)
         for h, _ in batches:  # lm_head's input, as the full forward would have observed it
-            model.hooks.linear_input("lm_head", model._norm(h, "transformer.ln_f"))
+            model.hooks.linear_input("lm_head", model.final_norm(h))
         model.hooks = Hooks()
         if "lm_head" in chosen:
             awq.update(_awq_choices(opts, out, ["lm_head"], calib, cfg.torch_dtype))

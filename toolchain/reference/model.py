@@ -140,5 +140,8 @@ class ReferenceModel:
         h, rope = self.embed(input_ids)
         for i in range(self.config.num_hidden_layers):
             h = self.layer(h, i, rope)
-        h = self._norm(h, "transformer.ln_f")
-        return self._linear(h, "lm_head")
+        return self._linear(self.final_norm(h), "lm_head")
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The norm before lm_head: its input is lm_head's."""
+        return self._norm(h, "transformer.ln_f")
