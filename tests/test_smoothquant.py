@@ -32,7 +32,7 @@ def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) 
     chosen = set(quantizable(weights))
     prequant = {}
     for i in range(cfg.num_hidden_layers):
-        scales, searched = smooth_layer(smoothed, f"transformer.layers.{i}", calib, 0.5, chosen)
+        scales, searched = smooth_layer(smoothed, base.spec.layers[i], calib, 0.5, chosen)
         prequant.update(scales)
         assert searched == {}  # a fixed α searches nothing
     assert set(prequant) == {f"transformer.layers.{i}.{m}" for i in range(2) for m in ("attention.dense", "mlp.proj")}

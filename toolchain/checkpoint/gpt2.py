@@ -17,6 +17,7 @@ from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
 from toolchain.checkpoint.sharding import Rule
+from toolchain.checkpoint.spec import LayerSpec, ModelSpec, Norm
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -72,6 +73,38 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         attn_bias=True,
         mlp_bias=True,
         family_fields={"bias": True, "gpt_variant": "gpt2"},
+    )
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    """LayerNorm (with bias) before attention and MLP, a plain MLP, biases everywhere, learned positions."""
+    eps = cfg.norm_epsilon
+    layers = tuple(
+        LayerSpec(
+            index=i,
+            attn_norm=Norm(f"transformer.layers.{i}.input_layernorm", "layer", eps),
+            mlp_norm=Norm(f"transformer.layers.{i}.post_layernorm", "layer", eps),
+            qkv_bias=True,
+            dense_bias=True,
+            gated_mlp=False,
+            activation=cfg.hidden_act,
+            mlp_bias=True,
+        )
+        for i in range(cfg.num_hidden_layers)
+    )
+    return ModelSpec(
+        architecture=cfg.architecture,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_size=cfg.head_size,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=cfg.max_position_embeddings,
+        final_norm=Norm("transformer.ln_f", "layer", eps),
+        layers=layers,
+        learned_positions=True,
+        tie_word_embeddings=cfg.tie_word_embeddings,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
 from toolchain.checkpoint.sharding import Rule
+from toolchain.checkpoint.spec import LayerSpec, ModelSpec, Norm, Rope
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -126,6 +127,47 @@ def llama_style_config(hf: dict[str, Any], dtype: str, source: str, architecture
         mlp_bias=boolean(hf, "mlp_bias", source),
     )
     return ModelConfig(**{**values, **fields})
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    return llama_style_spec(cfg)
+
+
+def llama_style_spec(cfg: ModelConfig, dense_bias: bool | None = None) -> ModelSpec:
+    """Every Llama-style family: RMSNorm before attention and MLP, GatedMLP, rotary on every layer, Mistral's window
+    on every layer; `attn_bias` puts biases on q, k, v and o_proj (Llama's attention_bias), unless `dense_bias`
+    says otherwise for o_proj (Qwen2: q, k, v only)."""
+    eps = cfg.norm_epsilon
+
+    def layer(i: int) -> LayerSpec:
+        p = f"transformer.layers.{i}"
+        return LayerSpec(
+            index=i,
+            attn_norm=Norm(f"{p}.input_layernorm", eps=eps),
+            mlp_norm=Norm(f"{p}.post_layernorm", eps=eps),
+            q_norm=Norm(f"{p}.attention.q_layernorm", eps=eps) if cfg.qk_layernorm else None,
+            k_norm=Norm(f"{p}.attention.k_layernorm", eps=eps) if cfg.qk_layernorm else None,
+            rope=Rope(cfg.rotary_base, cfg.rotary_scaling),
+            window=cfg.sliding_window,
+            qkv_bias=cfg.attn_bias,
+            dense_bias=cfg.attn_bias if dense_bias is None else dense_bias,
+            activation=cfg.hidden_act,
+            mlp_bias=cfg.mlp_bias,
+        )
+
+    return ModelSpec(
+        architecture=cfg.architecture,
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_attention_heads,
+        num_kv_heads=cfg.num_key_value_heads,
+        head_size=cfg.head_size,
+        intermediate_size=cfg.intermediate_size,
+        max_positions=cfg.max_position_embeddings,
+        final_norm=Norm("transformer.ln_f", eps=eps),
+        layers=tuple(layer(i) for i in range(cfg.num_hidden_layers)),
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
 
 
 def _lm_head_source(cfg: ModelConfig, available: set[str]) -> str:

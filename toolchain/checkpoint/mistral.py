@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from toolchain.checkpoint.hf_fields import positive_int
-from toolchain.checkpoint.llama import DROPPED, llama_style_config, source_shapes, weight_table
+from toolchain.checkpoint.llama import DROPPED, llama_style_config, source_shapes, spec, weight_table
 from toolchain.checkpoint.trtllm import ModelConfig
 
-__all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
+__all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:

@@ -17,12 +17,14 @@ from toolchain.checkpoint.llama import (
     QKV_BIAS_TABLE,
     build_table,
     llama_style_config,
+    llama_style_spec,
     refuse_layer_windows,
     source_shapes,
 )
+from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 
-__all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
+__all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
@@ -34,3 +36,7 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
 
 def weight_table(cfg: ModelConfig, available: set[str]) -> list[Any]:
     return build_table(cfg, available, [*LAYER_TABLE, *QKV_BIAS_TABLE])
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    return llama_style_spec(cfg, dense_bias=False)  # biases on q, k and v only

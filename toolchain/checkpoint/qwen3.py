@@ -15,11 +15,12 @@ from toolchain.checkpoint.llama import (
     llama_style_config,
     refuse_layer_windows,
     source_shapes,
+    spec,
     weight_table,
 )
 from toolchain.checkpoint.trtllm import ModelConfig
 
-__all__ = ["DROPPED", "config_from_hf", "source_shapes", "weight_table"]
+__all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:

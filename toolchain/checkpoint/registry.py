@@ -1,6 +1,7 @@
 """Model families by Hugging Face architecture name, imported lazily.
 
-Adding a family = one module with the `Family` attributes + one line in `_FAMILIES`.
+Adding a family = one module with the `Family` attributes + one line in `_FAMILIES`. A converted checkpoint's
+config.json names the architecture it was converted from, so its description (`Family.spec`) is found the same way.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 from typing import Any, Protocol
 
 from toolchain.checkpoint.sharding import Rule
+from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -36,6 +38,8 @@ class Family(Protocol):
 
     def weight_table(self, cfg: ModelConfig, available: set[str]) -> list[Rule]: ...
 
+    def spec(self, cfg: ModelConfig) -> ModelSpec: ...
+
 
 def supported_architectures() -> list[str]:
     return sorted(_FAMILIES)
@@ -52,3 +56,14 @@ def family_for(hf_config: dict[str, Any], source: str) -> tuple[str, Family]:
         )
     module: Family = importlib.import_module(_FAMILIES[arch])
     return arch, module
+
+
+def family_of_config(cfg: ModelConfig) -> Family:
+    """The family of a checkpoint config (its `architecture`, the HF name it was converted from)."""
+    if cfg.architecture not in _FAMILIES:
+        raise UserError(
+            f"config.json: architecture {cfg.architecture!r} is not supported; supported: "
+            f"{', '.join(supported_architectures())}"
+        )
+    module: Family = importlib.import_module(_FAMILIES[cfg.architecture])
+    return module

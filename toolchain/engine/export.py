@@ -19,6 +19,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
+from toolchain.checkpoint.spec import LayerSpec, Norm, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
@@ -126,6 +127,7 @@ class _Exporter:
         source: str = "rank0.safetensors",
     ):
         self.cfg, self.w, self.b = cfg, _Consumed(weights), _Builder(dtype)
+        self.spec = spec_of(cfg)
         self.source = source
         self.tokens_per_block = tokens_per_block
         q = cfg.quantization
@@ -137,22 +139,31 @@ class _Exporter:
         self.last_axis = b.const("axis_last", torch.tensor([-1], dtype=torch.int64))
 
     # -- building blocks --------------------------------------------------------------------------------------
-    def norm(self, x: str, prefix: str, out: str) -> str:
+    def norm(self, x: str, norm: Norm, out: str) -> str:
         b, w = self.b, self.w
-        weight = b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
-        if f"{prefix}.bias" in w:  # LayerNorm (GPT-2)
-            bias = b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"])
-            return b.op("LayerNormalization", [x, weight, bias], out, axis=-1, epsilon=self.cfg.norm_epsilon)
+        weight = b.float_const(f"{norm.name}.weight", w[f"{norm.name}.weight"])
+        if norm.kind == "layer":  # LayerNorm (GPT-2)
+            bias = b.float_const(f"{norm.name}.bias", w[f"{norm.name}.bias"])
+            return b.op("LayerNormalization", [x, weight, bias], out, axis=-1, epsilon=norm.eps)
         # RMSNorm, x * 1/sqrt(mean(x²) + eps) * weight, in primitive ops every backend has, computed in float32
         # whatever the engine dtype (x² overflows fp16 from |x| = 256 on; residual streams go higher)
         xf = x if b.onnx_dtype == TensorProto.FLOAT else b.op("Cast", [x], f"{out}.float", to=TensorProto.FLOAT)
         square = b.op("Mul", [xf, xf], f"{out}.square")
         mean = b.op("ReduceMean", [square, self.last_axis], f"{out}.mean", keepdims=1)
-        rms = b.op("Sqrt", [b.op("Add", [mean, self.eps], f"{out}.var_eps")], f"{out}.rms")
+        rms = b.op("Sqrt", [b.op("Add", [mean, self._eps(norm.eps)], f"{out}.var_eps")], f"{out}.rms")
         normed = b.op("Div", [xf, rms], f"{out}.normed")
         if b.onnx_dtype != TensorProto.FLOAT:
             normed = b.op("Cast", [normed], f"{out}.normed_cast", to=b.onnx_dtype)
         return b.op("Mul", [normed, weight], out)
+
+    def _eps(self, eps: float) -> str:
+        """The epsilon constant of RMSNorms: one per distinct value (`norm_epsilon` for the model's own)."""
+        if eps == self.cfg.norm_epsilon:
+            return self.eps
+        name = f"norm_epsilon_{eps!r}"
+        if name not in self.b._names:
+            self.b.const(name, torch.tensor(eps, dtype=torch.float32))
+        return name
 
     def _zero_point(self, kind: str) -> str:
         name = f"zero_point_{kind.lower()}"
@@ -211,8 +222,8 @@ class _Exporter:
             inputs.append(b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"]))
         return b.op("Gemm", inputs, f"{prefix}.out", transB=1)
 
-    def activation(self, x: str, name: str) -> str:
-        b, act = self.b, self.cfg.hidden_act
+    def activation(self, x: str, act: str, name: str) -> str:
+        b = self.b
         if act in ("silu", "swiglu"):
             return b.op("Mul", [x, b.op("Sigmoid", [x], f"{name}.sigmoid")], name)
         if act == "relu":
@@ -221,104 +232,115 @@ class _Exporter:
             return b.op("Gelu", [x], name, approximate="tanh")
         raise UserError(f"hidden_act {act!r} has no ONNX export")
 
-    def qk_norm(self, qkv: str, layer: str) -> str:
-        """Qwen3's per-head RMSNorm of q and k, before the plugin applies rotary."""
-        c, b = self.cfg, self.b
-        h, kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_size
+    def qk_norm(self, qkv: str, ls: LayerSpec) -> str:
+        """Per-head norms of q and k (Qwen3, Gemma 3), before the plugin applies rotary."""
+        c, b, layer = self.spec, self.b, ls.prefix
+        assert ls.q_norm is not None and ls.k_norm is not None
+        h, kv, d = c.num_heads, c.num_kv_heads, c.head_size
         sizes = b.const(f"{layer}.qkv_sizes", torch.tensor([h * d, kv * d, kv * d], dtype=torch.int64))
         q, k, v = b.node("Split", [qkv, sizes], f"{layer}.qkv_split", outputs=3, axis=1)
         parts = []
-        for part, heads, norm in ((q, h, "q_layernorm"), (k, kv, "k_layernorm")):
-            shape = b.const(f"{layer}.{norm}.heads", torch.tensor([-1, heads, d], dtype=torch.int64))
-            flat = b.const(f"{layer}.{norm}.flat", torch.tensor([-1, heads * d], dtype=torch.int64))
-            x = b.op("Reshape", [part, shape], f"{layer}.{norm}.in")
-            parts.append(
-                b.op(
-                    "Reshape",
-                    [self.norm(x, f"{layer}.attention.{norm}", f"{layer}.{norm}.out"), flat],
-                    f"{layer}.{norm}.flat_out",
-                )
-            )
+        for part, heads, norm, stem in ((q, h, ls.q_norm, "q_layernorm"), (k, kv, ls.k_norm, "k_layernorm")):
+            shape = b.const(f"{layer}.{stem}.heads", torch.tensor([-1, heads, d], dtype=torch.int64))
+            flat = b.const(f"{layer}.{stem}.flat", torch.tensor([-1, heads * d], dtype=torch.int64))
+            x = b.op("Reshape", [part, shape], f"{layer}.{stem}.in")
+            parts.append(b.op("Reshape", [self.norm(x, norm, f"{layer}.{stem}.out"), flat], f"{layer}.{stem}.flat_out"))
         return b.op("Concat", [*parts, v], f"{layer}.qkv_normed", axis=1)
 
-    def attention_attrs(self, i: int) -> AttentionAttrs:
-        c = self.cfg
-        scaling = c.rotary_scaling or {}
+    def attention_attrs(self, ls: LayerSpec) -> AttentionAttrs:
+        c = self.spec
+        rope = ls.rope
+        scaling = (rope.scaling if rope else None) or {}
         kind = scaling.get("rope_type", scaling.get("type", "none"))
         kv_scale = 1.0
         if self.kv_dtype in KV_ONNX:
-            kv_scale = kv_cache_scale(self.w, f"transformer.layers.{i}", self.source)
+            kv_scale = kv_cache_scale(self.w, ls.prefix, self.source)
         return AttentionAttrs(
-            layer=i,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
+            layer=ls.index,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
             head_size=c.head_size,
             tokens_per_block=self.tokens_per_block,
-            rotary_style="none" if c.position_embedding_type == "learned_absolute" else "neox",
-            rotary_base=float(c.rotary_base),
+            rotary_style="none" if rope is None else "neox",
+            rotary_base=float(rope.base) if rope else 10000.0,
             rotary_scaling_type="none" if kind == "default" else kind,
             rotary_scaling_factor=float(scaling.get("factor", 1.0)),
             rotary_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
             rotary_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
             rotary_original_max_positions=int(scaling.get("original_max_position_embeddings", 8192)),
-            sliding_window=c.sliding_window or 0,
+            sliding_window=ls.window or 0,
             kv_cache_dtype=self.kv_dtype,
             kv_scale=kv_scale,
         )
 
     # -- the graph --------------------------------------------------------------------------------------------
+    def layer(self, h: str, ls: LayerSpec) -> str:
+        """One decoder layer as its LayerSpec describes it (the reference forward's `layer`, in ONNX)."""
+        b, layer = self.b, ls.prefix
+        q_dim = self.spec.num_heads * self.spec.head_size
+        x = self.norm(h, ls.attn_norm, f"{ls.attn_norm.name}.out")
+        qkv = self.linear(x, f"{layer}.attention.qkv")
+        if ls.q_norm is not None:
+            qkv = self.qk_norm(qkv, ls)
+        attrs = self.attention_attrs(ls)
+        tables = ["position_ids", "context_lens", "new_lens", "block_tables"]
+        b.nodes.append(
+            helper.make_node(
+                WRITE_OP,
+                [qkv, *tables, "kv_cache"],
+                [f"{layer}.attention.q"],
+                name=f"{layer}.attention/{WRITE_OP}",
+                domain=PLUGIN_DOMAIN,
+                **attrs.to_attributes(WRITE_OP),
+            )
+        )
+        b.nodes.append(
+            helper.make_node(
+                ATTENTION_OP,
+                [f"{layer}.attention.q", *tables, "kv_cache"],
+                [f"{layer}.attention.out"],
+                name=f"{layer}.attention/{ATTENTION_OP}",
+                domain=PLUGIN_DOMAIN,
+                **attrs.to_attributes(ATTENTION_OP),
+            )
+        )
+        for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
+            b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
+        a = self.linear(f"{layer}.attention.out", f"{layer}.attention.dense")
+        if ls.attn_out_norm is not None:
+            a = self.norm(a, ls.attn_out_norm, f"{ls.attn_out_norm.name}.out")
+        h = b.op("Add", [h, a], f"{layer}.attn_residual")
+        x = self.norm(h, ls.mlp_norm, f"{ls.mlp_norm.name}.out")
+        m = self.activation(self.linear(x, f"{layer}.mlp.fc"), ls.activation, f"{layer}.mlp.act")
+        if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+            m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate")], f"{layer}.mlp.gated")
+        m = self.linear(m, f"{layer}.mlp.proj")
+        if ls.mlp_out_norm is not None:
+            m = self.norm(m, ls.mlp_out_norm, f"{ls.mlp_out_norm.name}.out")
+        return b.op("Add", [h, m], f"{layer}.mlp_residual")
+
     def graph(self) -> onnx.ModelProto:
-        c, b = self.cfg, self.b
+        c, spec, b = self.cfg, self.spec, self.b
         embed = b.float_const("transformer.vocab_embedding.weight", self.w["transformer.vocab_embedding.weight"])
         h = b.op("Gather", [embed, "input_ids"], "embedding", axis=0)
-        if c.position_embedding_type == "learned_absolute":
+        if spec.learned_positions:
             pos = b.float_const(
                 "transformer.position_embedding.weight", self.w["transformer.position_embedding.weight"]
             )
             h = b.op("Add", [h, b.op("Gather", [pos, "position_ids"], "position_embedding", axis=0)], "embedded")
-        q_dim = c.num_attention_heads * c.head_size
-        for i in range(c.num_hidden_layers):
-            layer = f"transformer.layers.{i}"
-            x = self.norm(h, f"{layer}.input_layernorm", f"{layer}.input_layernorm.out")
-            qkv = self.linear(x, f"{layer}.attention.qkv")
-            if c.qk_layernorm:
-                qkv = self.qk_norm(qkv, layer)
-            attrs = self.attention_attrs(i)
-            tables = ["position_ids", "context_lens", "new_lens", "block_tables"]
-            b.nodes.append(
-                helper.make_node(
-                    WRITE_OP,
-                    [qkv, *tables, "kv_cache"],
-                    [f"{layer}.attention.q"],
-                    name=f"{layer}.attention/{WRITE_OP}",
-                    domain=PLUGIN_DOMAIN,
-                    **attrs.to_attributes(WRITE_OP),
-                )
-            )
-            b.nodes.append(
-                helper.make_node(
-                    ATTENTION_OP,
-                    [f"{layer}.attention.q", *tables, "kv_cache"],
-                    [f"{layer}.attention.out"],
-                    name=f"{layer}.attention/{ATTENTION_OP}",
-                    domain=PLUGIN_DOMAIN,
-                    **attrs.to_attributes(ATTENTION_OP),
-                )
-            )
-            for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
-                b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
-            h = b.op(
-                "Add", [h, self.linear(f"{layer}.attention.out", f"{layer}.attention.dense")], f"{layer}.attn_residual"
-            )
-            x = self.norm(h, f"{layer}.post_layernorm", f"{layer}.post_layernorm.out")
-            m = self.activation(self.linear(x, f"{layer}.mlp.fc"), f"{layer}.mlp.act")
-            if f"{layer}.mlp.gate.weight" in self.w:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-                m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate")], f"{layer}.mlp.gated")
-            h = b.op("Add", [h, self.linear(m, f"{layer}.mlp.proj")], f"{layer}.mlp_residual")
+        if spec.embedding_scale is not None:
+            scale = b.float_const("embedding_scale", torch.tensor(spec.embedding_scale))
+            h = b.op("Mul", [h, scale], "embedding_scaled")
+        for ls in spec.layers:
+            h = self.layer(h, ls)
         picked = b.op("Gather", [h, "logits_index"], "logits_rows", axis=0)
-        logits = self.linear(self.norm(picked, "transformer.ln_f", "transformer.ln_f.out"), "lm_head")
+        logits = self.linear(self.norm(picked, spec.final_norm, "transformer.ln_f.out"), "lm_head")
         if b.onnx_dtype != TensorProto.FLOAT:
             logits = b.op("Cast", [logits], "logits_float", to=TensorProto.FLOAT)
+        if spec.final_logit_softcap is not None:  # cap * tanh(logits / cap), in float32
+            cap = b.const("final_logit_softcap", torch.tensor(spec.final_logit_softcap, dtype=torch.float32))
+            capped = b.op("Tanh", [b.op("Div", [logits, cap], "logits_over_cap")], "logits_tanh")
+            logits = b.op("Mul", [capped, cap], "logits_capped")
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits/Identity"))
         self.w.check_all_read(c, self.source)
         inputs = [self._io(name, spec) for name, spec in INPUTS.items()]

@@ -23,6 +23,7 @@ from typing import Literal
 
 import torch
 
+from toolchain.checkpoint.spec import LayerSpec
 from toolchain.quantize.calibrate import Calibration
 from toolchain.quantize.core import quantize_per_channel
 from toolchain.quantize.fake import fake_quant
@@ -79,22 +80,17 @@ def search_alpha(x: torch.Tensor, x_amax: torch.Tensor, weights: list[torch.Tens
 
 
 def smooth_layer(
-    weights: dict[str, torch.Tensor], layer: str, calib: Calibration, alpha: Alpha, chosen: set[str]
+    weights: dict[str, torch.Tensor], layer: LayerSpec, calib: Calibration, alpha: Alpha, chosen: set[str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, AlphaChoice]]:
-    """Rewrite `weights` in place for one decoder layer; return the `prequant_scaling_factor` tensors (float64)
-    of the linears with no norm in front, and (alpha="auto") the searched α per linear. Groups with an excluded
-    linear are left alone (their float linears would see the smoothed input otherwise)."""
-    groups = [
-        (f"{layer}.input_layernorm", [f"{layer}.attention.qkv"]),
-        (f"{layer}.post_layernorm", [f"{layer}.mlp.fc", f"{layer}.mlp.gate"]),
-        (None, [f"{layer}.attention.dense"]),
-        (None, [f"{layer}.mlp.proj"]),
-    ]
+    """Rewrite `weights` in place for one decoder layer, along its spec's norm -> linear pairs
+    (`LayerSpec.smoothing_groups`); return the `prequant_scaling_factor` tensors (float64) of the linears with no
+    norm in front, and (alpha="auto") the searched α per linear. Groups with an excluded linear are left alone
+    (their float linears would see the smoothed input otherwise)."""
+    groups = [(n.name if n else None, linears) for n, linears in layer.smoothing_groups()]
     prequant: dict[str, torch.Tensor] = {}
     searched: dict[str, AlphaChoice] = {}
     for norm, linears in groups:
-        linears = [p for p in linears if f"{p}.weight" in weights]
-        if not linears or not all(p in chosen for p in linears):
+        if not all(p in chosen for p in linears):
             continue
         x_amax = calib.input_channel_amax[linears[0]]
         group = [weights[f"{p}.weight"] for p in linears]

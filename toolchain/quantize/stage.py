@@ -27,6 +27,7 @@ from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import return_freed_memory
 from toolchain.checkpoint.hf import TOKENIZER_FILES
+from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
 from toolchain.checkpoint.trtllm import (
     CONFIG_NAME,
@@ -273,7 +274,7 @@ def _quantize_layerwise(
                 del model.w[n]
             prefix = f"transformer.layers.{i}"
             if opts.method == "w8a8_sq":
-                prequant, searched = smooth_layer(layer, prefix, calib, opts.sq_alpha, chosen)
+                prequant, searched = smooth_layer(layer, model.spec.layers[i], calib, opts.sq_alpha, chosen)
                 layer.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
                 alphas.update(searched)
             linears = sorted(p for p in chosen if p.startswith(f"{prefix}."))
@@ -343,7 +344,7 @@ def quantize_checkpoint(
         alphas = {}
     if opts.method == "w8a8_sq" and not layerwise:
         for i in range(cfg.num_hidden_layers):
-            prequant, searched = smooth_layer(out, f"transformer.layers.{i}", calib, opts.sq_alpha, set(chosen))
+            prequant, searched = smooth_layer(out, spec_of(cfg).layers[i], calib, opts.sq_alpha, set(chosen))
             out.update({f"{p}.prequant_scaling_factor": s.to(cfg.torch_dtype) for p, s in prequant.items()})
             alphas.update(searched)
     todo = [] if stream or layerwise else chosen  # the streaming paths have quantized already

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from toolchain.checkpoint.spec import LayerSpec, Norm, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.rope import apply_rotary, cos_sin
 
@@ -22,8 +23,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
-# hidden_act values with TensorRT-LLM's meaning: its `gelu` (tensorrt_llm/functional.py) is the tanh
-# approximation, the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
+# hidden_act values (spec.ACTIVATIONS) with TensorRT-LLM's meaning: its `gelu` (tensorrt_llm/functional.py) is the
+# tanh approximation, the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swiglu": F.silu,
@@ -52,6 +53,8 @@ class ReferenceModel:
         self.dtype = dtype
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         self.hooks = Hooks()
+        self.spec = spec_of(config)
+        self._rope_cache: dict[tuple[float, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def from_checkpoint(cls, directory: Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
@@ -67,81 +70,108 @@ class ReferenceModel:
         x = self.hooks.linear_input(prefix, x)
         return F.linear(x, self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias"))
 
-    def _norm(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
-        """LayerNorm when the checkpoint has a bias for it (GPT-2), else RMSNorm (Llama, Qwen, Mistral)."""
-        weight, bias = self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias")
-        if bias is not None:
-            return F.layer_norm(x, weight.shape, weight, bias, self.config.norm_epsilon)
+    def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
+        weight = self.w[f"{norm.name}.weight"]
+        if norm.kind == "layer":
+            return F.layer_norm(x, weight.shape, weight, self.w[f"{norm.name}.bias"], norm.eps)
         variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.config.norm_epsilon) * weight
+        return x * torch.rsqrt(variance + norm.eps) * weight
 
-    def _heads(self, x: torch.Tensor, n: int, layer: str, norm: str) -> torch.Tensor:
+    def _heads(self, x: torch.Tensor, n: int, norm: Norm | None) -> torch.Tensor:
         b, t, _ = x.shape
-        x = x.view(b, t, n, self.config.head_size)
-        if f"{layer}.attention.{norm}.weight" in self.w:  # per-head qk-norm (Qwen3), before rotary
-            x = self._norm(x, f"{layer}.attention.{norm}")
+        x = x.view(b, t, n, self.spec.head_size)
+        if norm is not None:  # per-head qk-norm (Qwen3, Gemma 3), before rotary
+            x = self.norm(x, norm)
         return x.transpose(1, 2)
 
-    def _mask(self, t: int) -> torch.Tensor:
-        q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    @staticmethod
+    def _mask(positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        q, k = positions[:, None], positions[None, :]
         allowed = k <= q
-        if self.config.sliding_window is not None:  # each query sees itself and the window-1 tokens before it
-            allowed &= q - k < self.config.sliding_window
+        if window is not None:  # each query sees itself and the window-1 tokens before it
+            allowed &= q - k < window
         return allowed
 
-    def _attention(self, x: torch.Tensor, layer: str, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        c = self.config
+    def _rope(self, ls: LayerSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if ls.rope is None:
+            return None
+        key = (ls.rope.base, repr(ls.rope.scaling), positions.numel())
+        if key not in self._rope_cache:
+            self._rope_cache[key] = cos_sin(positions, self.spec.head_size, ls.rope.base, ls.rope.scaling, self.dtype)
+        return self._rope_cache[key]
+
+    def attention(self, x: torch.Tensor, ls: LayerSpec, positions: torch.Tensor) -> torch.Tensor:
+        """The attention block's output before its residual (and before a sandwich norm): dense(attend(qkv(x)))."""
+        c = self.spec
         b, t, _ = x.shape
-        q_dim, kv_dim = c.num_attention_heads * c.head_size, c.num_key_value_heads * c.head_size
+        layer = ls.prefix
+        q_dim, kv_dim = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
         q, k, v = torch.split(self._linear(x, f"{layer}.attention.qkv"), [q_dim, kv_dim, kv_dim], dim=-1)
-        q = self._heads(q, c.num_attention_heads, layer, "q_layernorm")
-        k = self._heads(k, c.num_key_value_heads, layer, "k_layernorm")
-        v = v.view(b, t, c.num_key_value_heads, c.head_size).transpose(1, 2)
+        q = self._heads(q, c.num_heads, ls.q_norm)
+        k = self._heads(k, c.num_kv_heads, ls.k_norm)
+        v = v.view(b, t, c.num_kv_heads, c.head_size).transpose(1, 2)
+        rope = self._rope(ls, positions)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         k, v = self.hooks.kv_cache(layer, k, v)  # what the KV cache stores: k after rotary, v
-        group = c.num_attention_heads // c.num_key_value_heads
+        group = c.num_heads // c.num_kv_heads
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = (q @ k.transpose(-1, -2)) / (c.head_size**0.5)
-        probs = scores.masked_fill(~self._mask(t), float("-inf")).softmax(dim=-1)
+        scores = q @ k.transpose(-1, -2)
+        # / sqrt(head_size) by default (bit for bit what calibration has always computed), else * the layer's scale
+        scores = scores / c.head_size**0.5 if ls.attn_scale is None else scores * ls.attn_scale
+        probs = scores.masked_fill(~self._mask(positions, ls.window), float("-inf")).softmax(dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, q_dim)
         return self._linear(out, f"{layer}.attention.dense")
 
-    def _mlp(self, x: torch.Tensor, layer: str) -> torch.Tensor:
-        act = ACTIVATIONS[self.config.hidden_act]
-        h = act(self._linear(x, f"{layer}.mlp.fc"))
-        if f"{layer}.mlp.gate.weight" in self.w:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+    def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
+        layer = ls.prefix
+        h = ACTIVATIONS[ls.activation](self._linear(x, f"{layer}.mlp.fc"))
+        if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
             h = h * self._linear(x, f"{layer}.mlp.gate")
         return self._linear(h, f"{layer}.mlp.proj")
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
-        """input_ids [batch, seq] -> (hidden states, rotary cos/sin or None)."""
-        c = self.config
-        positions = torch.arange(input_ids.shape[1])
+    def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (plus learned position embeddings), before the spec's embedding scale."""
         h = F.embedding(input_ids, self.w["transformer.vocab_embedding.weight"])
-        rope = None
-        if c.position_embedding_type == "learned_absolute":
+        if self.spec.learned_positions:
             h = h + self.w["transformer.position_embedding.weight"][positions]
-        else:
-            rope = cos_sin(positions, c.head_size, c.rotary_base, c.rotary_scaling, self.dtype)
-        return h, rope
+        return h
 
-    def layer(self, h: torch.Tensor, i: int, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Decoder layer i (its weights must be in `self.w`)."""
-        layer = f"transformer.layers.{i}"
-        h = h + self._attention(self._norm(h, f"{layer}.input_layernorm"), layer, rope)
-        return h + self._mlp(self._norm(h, f"{layer}.post_layernorm"), layer)
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [batch, seq] -> (hidden states, positions); pass both to `layer`."""
+        positions = torch.arange(input_ids.shape[1])
+        h = self.lookup(input_ids, positions)
+        if self.spec.embedding_scale is not None:
+            h = h * self.spec.embedding_scale
+        return h, positions
+
+    def layer(self, h: torch.Tensor, i: int, positions: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i (its weights must be in `self.w`), as its LayerSpec describes it."""
+        ls = self.spec.layers[i]
+        a = self.attention(self.norm(h, ls.attn_norm), ls, positions)
+        h = h + (a if ls.attn_out_norm is None else self.norm(a, ls.attn_out_norm))
+        m = self.mlp(self.norm(h, ls.mlp_norm), ls)
+        return h + (m if ls.mlp_out_norm is None else self.norm(m, ls.mlp_out_norm))
+
+    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        """The norm before lm_head: its input is lm_head's."""
+        return self.norm(h, self.spec.final_norm)
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self._linear(self.final_norm(h), "lm_head")
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """lm_head of the final norm's output, soft-capped where the spec says so."""
+        logits = self.head(h)
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [batch, seq] -> logits [batch, seq, vocab] in `self.dtype`."""
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
-        h, rope = self.embed(input_ids)
-        for i in range(self.config.num_hidden_layers):
-            h = self.layer(h, i, rope)
-        return self._linear(self.final_norm(h), "lm_head")
-
-    def final_norm(self, h: torch.Tensor) -> torch.Tensor:
-        """The norm before lm_head: its input is lm_head's."""
-        return self._norm(h, "transformer.ln_f")
+        h, positions = self.embed(input_ids)
+        for i in range(len(self.spec.layers)):
+            h = self.layer(h, i, positions)
+        return self.logits(h)

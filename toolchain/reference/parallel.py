@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from toolchain.checkpoint.sharding import padded_vocab, split_of, stage_layers, unshard
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
+from toolchain.checkpoint.spec import LayerSpec
 from toolchain.reference.model import ReferenceModel
-from toolchain.reference.rope import cos_sin
 
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
 _ROW_BIASES = ("attention.dense.bias", "mlp.proj.bias")
@@ -55,33 +55,50 @@ def _lookup(models: list[ReferenceModel], name: str, ids: torch.Tensor, rows: in
     return torch.stack(parts).sum(0)
 
 
+class TensorParallelModel(ReferenceModel):
+    """The reference forward with every block computed rank by rank: the layer structure is ReferenceModel's
+    (its spec's), only the blocks whose weights are split are overridden."""
+
+    def __init__(self, cfg: ModelConfig, ranks: list[dict[str, torch.Tensor]], dtype: torch.dtype):
+        tp = cfg.mapping.tp_size
+        super().__init__(cfg, ranks[0], dtype)  # replicated tensors (norms) are read from rank 0
+        local = dataclasses.replace(
+            cfg,
+            num_attention_heads=cfg.num_attention_heads // tp,
+            num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
+            intermediate_size=cfg.intermediate_size // tp,
+        )
+        self.shards = [
+            ReferenceModel(local, {k: v for k, v in w.items() if not k.endswith(_ROW_BIASES)}, dtype) for w in ranks
+        ]
+
+    def _sum(self, parts: list[torch.Tensor], bias: str) -> torch.Tensor:
+        """Row-parallel partial outputs summed (the all-reduce), the bias added once."""
+        total = torch.stack(parts).sum(0)
+        return total + self.w[bias] if bias in self.w else total
+
+    def attention(self, x: torch.Tensor, ls: LayerSpec, positions: torch.Tensor) -> torch.Tensor:
+        parts = [m.attention(x, m.spec.layers[ls.index], positions) for m in self.shards]
+        return self._sum(parts, f"{ls.prefix}.attention.dense.bias")
+
+    def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
+        return self._sum([m.mlp(x, m.spec.layers[ls.index]) for m in self.shards], f"{ls.prefix}.mlp.proj.bias")
+
+    def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        tp = len(self.shards)
+        h = _lookup(self.shards, "transformer.vocab_embedding.weight", input_ids, self.config.vocab_size, tp)
+        if self.spec.learned_positions:
+            rows = self.config.max_position_embeddings
+            h = h + _lookup(self.shards, "transformer.position_embedding.weight", positions, rows, tp)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.final_norm(h)
+        return torch.cat([F.linear(x, m.w["lm_head.weight"]) for m in self.shards], dim=-1)[..., : self.spec.vocab_size]
+
+
 def tp_logits(directory: Path, input_ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits [batch, seq, vocab] of a TP checkpoint (pp_size 1), computed rank by rank."""
     cfg, ranks = load_ranks(directory)
-    tp = cfg.mapping.tp_size
     assert cfg.mapping.pp_size == 1, "tp_logits runs a single pipeline stage"
-    local = dataclasses.replace(
-        cfg,
-        num_attention_heads=cfg.num_attention_heads // tp,
-        num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
-        intermediate_size=cfg.intermediate_size // tp,
-    )
-    models = [ReferenceModel(local, {k: v for k, v in w.items() if not k.endswith(_ROW_BIASES)}, dtype) for w in ranks]
-    w0 = {k: v.to(dtype) for k, v in ranks[0].items()}
-    ids = input_ids if input_ids.dim() == 2 else input_ids[None]
-    h = _lookup(models, "transformer.vocab_embedding.weight", ids, cfg.vocab_size, tp)
-    positions = torch.arange(ids.shape[1])
-    rope = None
-    if cfg.position_embedding_type == "learned_absolute":
-        h = h + _lookup(models, "transformer.position_embedding.weight", positions, cfg.max_position_embeddings, tp)
-    else:
-        rope = cos_sin(positions, cfg.head_size, cfg.rotary_base, cfg.rotary_scaling, dtype)
-    lead = models[0]
-    for i in range(cfg.num_hidden_layers):
-        layer = f"transformer.layers.{i}"
-        x = lead._norm(h, f"{layer}.input_layernorm")
-        h = h + sum(m._attention(x, layer, rope) for m in models) + w0.get(f"{layer}.attention.dense.bias", 0)
-        x = lead._norm(h, f"{layer}.post_layernorm")
-        h = h + sum(m._mlp(x, layer) for m in models) + w0.get(f"{layer}.mlp.proj.bias", 0)
-    h = lead._norm(h, "transformer.ln_f")
-    return torch.cat([F.linear(h, m.w["lm_head.weight"]) for m in models], dim=-1)[..., : cfg.vocab_size]
+    return TensorParallelModel(cfg, ranks, dtype).forward(input_ids)

@@ -1,0 +1,172 @@
+"""The model description every consumer walks: a frozen, validated `ModelSpec` with one `LayerSpec` per layer.
+
+A family module (toolchain/checkpoint/<family>.py) turns its checkpoint config into a spec (`spec(cfg)`); the
+reference forward, the ONNX exporter, the tensor-parallel forward, layer-by-layer calibration and SmoothQuant's
+norm -> linear pairs all read it, and nothing downstream guesses a layer's kind from which tensors exist. The
+config the spec is made from is config.json (TensorRT-LLM's fields, plus ours: docs/conversion.md), so a checkpoint
+carries its description with it.
+
+Names are TensorRT-LLM's tensor names (`transformer.layers.{i}.attention.qkv`, ...); the norm names of a layer
+are stems under its prefix (`input_layernorm`, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from toolchain.errors import UserError
+
+NORMS = ("rms", "layer")
+# hidden_act values with TensorRT-LLM's meaning: its `gelu` is the tanh approximation (tensorrt_llm/functional.py),
+# the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
+ACTIVATIONS = ("silu", "swiglu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+ROPE_SCALINGS = ("linear", "llama3")
+
+
+@dataclass(frozen=True)
+class Norm:
+    """One norm: RMSNorm or LayerNorm (with bias). Gemma's (1 + w) is not a norm kind here: TensorRT-LLM's converter
+    writes 1 + w into the checkpoint (`load_gemma_weights`, tensorrt_llm/models/gemma/convert.py) and so do we."""
+
+    name: str  # tensor stem: PREFIX.NAME.weight (and .bias for LayerNorm)
+    kind: str = "rms"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.kind not in NORMS:
+            raise UserError(f"norm {self.name}: kind {self.kind!r} is not one of {', '.join(NORMS)}")
+        if not math.isfinite(self.eps) or self.eps <= 0:
+            raise UserError(f"norm {self.name}: epsilon {self.eps!r} must be a finite positive number")
+
+    @property
+    def has_bias(self) -> bool:
+        return self.kind == "layer"
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary embedding of a layer (rotate-half, GPT-NeoX style): its base and scaling (None: unscaled)."""
+
+    base: float
+    scaling: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.base) or self.base <= 1:
+            raise UserError(f"rotary base {self.base!r} must be a finite number above 1")
+        kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
+        if self.scaling is not None and kind not in ROPE_SCALINGS:
+            raise UserError(f"rotary scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One decoder layer.
+
+    attention block: x -> attn_norm -> qkv (+ bias) -> [qk-norm per head] -> rotary -> attention (window, scale)
+                     -> dense (+ bias) -> [attn_out_norm] -> + residual
+    feed-forward:    x -> mlp_norm -> fc (+ bias) -> activation [* gate(x)] -> proj (+ bias) -> [mlp_out_norm]
+                     -> + residual
+    """
+
+    index: int
+    attn_norm: Norm
+    mlp_norm: Norm
+    attn_out_norm: Norm | None = None  # Gemma 2/3's sandwich norms: on the block's output, before the residual
+    mlp_out_norm: Norm | None = None
+    q_norm: Norm | None = None  # per-head norms of q and k before rotary (Qwen3, Gemma 3)
+    k_norm: Norm | None = None
+    rope: Rope | None = None  # None: learned absolute positions (GPT-2)
+    window: int | None = None  # each query sees itself and the window - 1 tokens before it
+    attn_scale: float | None = None  # scores = q·k * attn_scale; None: head_size ** -0.5
+    qkv_bias: bool = False
+    dense_bias: bool = False
+    gated_mlp: bool = True  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x)); else proj(act(fc(x)))
+    activation: str = "silu"
+    mlp_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
+            raise UserError(f"layer {self.index}: attention window {self.window!r} must be a positive integer")
+        if self.activation not in ACTIVATIONS:
+            raise UserError(
+                f"layer {self.index}: hidden_act {self.activation!r} is not supported; supported: "
+                f"{', '.join(ACTIVATIONS)}"
+            )
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise UserError(f"layer {self.index}: q and k norms come as a pair")
+        if self.attn_scale is not None and (not math.isfinite(self.attn_scale) or self.attn_scale <= 0):
+            raise UserError(f"layer {self.index}: attention scale {self.attn_scale!r} must be finite and positive")
+
+    @property
+    def prefix(self) -> str:
+        return f"transformer.layers.{self.index}"
+
+    def linears(self) -> list[str]:
+        """The layer's linear prefixes, in execution order."""
+        p = self.prefix
+        mlp = [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp else [f"{p}.mlp.fc"]
+        return [f"{p}.attention.qkv", f"{p}.attention.dense", *mlp, f"{p}.mlp.proj"]
+
+    def smoothing_groups(self) -> list[tuple[Norm | None, list[str]]]:
+        """SmoothQuant's pairs: the norm feeding a group of linears that read one input (its 1/s folds into the
+        norm's weight), or None where no norm sits in front (the 1/s stays a pre-quant scale on the input). A
+        sandwich norm is on a block's output, so it feeds nothing and pairs with nothing."""
+        p = self.prefix
+        mlp = [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp else [f"{p}.mlp.fc"]
+        return [
+            (self.attn_norm, [f"{p}.attention.qkv"]),
+            (self.mlp_norm, mlp),
+            (None, [f"{p}.attention.dense"]),
+            (None, [f"{p}.mlp.proj"]),
+        ]
+
+    def norms(self) -> list[Norm]:
+        return [n for n in (self.attn_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_norm,
+                            self.mlp_out_norm) if n is not None]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    intermediate_size: int
+    max_positions: int
+    final_norm: Norm
+    layers: tuple[LayerSpec, ...]
+    learned_positions: bool = False
+    embedding_scale: float | None = None  # the embedding lookup is multiplied by it (Gemma: sqrt(hidden))
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    tie_word_embeddings: bool = False
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise UserError(f"{self.architecture}: a model needs at least one layer")
+        if [ls.index for ls in self.layers] != list(range(len(self.layers))):
+            raise UserError(f"{self.architecture}: layer specs must be numbered 0..{len(self.layers) - 1}")
+        if any((ls.rope is None) != self.learned_positions for ls in self.layers):
+            raise UserError(f"{self.architecture}: every layer has rotary embedding, or none (learned positions)")
+        for name in ("embedding_scale", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise UserError(f"{self.architecture}: {name} {value!r} must be a finite positive number")
+
+    def attn_scale(self, layer: LayerSpec) -> float:
+        return self.head_size**-0.5 if layer.attn_scale is None else layer.attn_scale
+
+    @property
+    def windows(self) -> list[int | None]:
+        return [ls.window for ls in self.layers]
+
+
+def spec_of(cfg: Any) -> ModelSpec:
+    """The spec of a checkpoint config (a `ModelConfig`), made by its family's module."""
+    from toolchain.checkpoint.registry import family_of_config  # the registry imports the family modules
+
+    return family_of_config(cfg).spec(cfg)
