@@ -148,12 +148,16 @@ __device__ void kv_write(const typename A::T* qkv, const int* position_ids, cons
 // One block per (new token, kv head, chunk of up to MAX_GROUP query heads, split of the key range). Each warp walks
 // every WARPS-th key with an online softmax in fp32 for all the block's query heads (K/V read once per kv head);
 // the warps merge through shared memory. SPLIT: write the unnormalised partial output and (max, sum) for
-// attention_reduce instead of the output. HD: 64 / 128 fast paths, 0 = generic (head_size <= 256).
+// attention_reduce instead of the output. HD: 64 / 128 fast paths, 0 = generic (head_size <= 256). Scores are
+// q.k / (sqrt(head_size) * q_scaling), TensorRT-LLM's q_scaling (tensorrt_llm/_torch/modules/attention.py: "qk_scale
+// = 1 / (sqrt(head_dim) * q_scaling)"; Gemma: sqrt(query_pre_attn_scalar / head_size)); decode, prefill and split-K
+// all come through here.
 template <class A, class KV, int HD, bool SPLIT>
 __device__ void attention(const typename A::T* q, const int* position_ids, const int* new_lens,
                           const int* block_tables, const typename KV::T* pool, int num_seqs, int max_blocks,
                           int num_blocks, int layer, int heads, int kv_heads, int head_size, int tpb, int window,
-                          float kv_scale, int num_splits, typename A::T* out, float* part_o, float* part_ml) {
+                          float kv_scale, float q_scaling, int num_splits, typename A::T* out, float* part_o,
+                          float* part_ml) {
     constexpr int E = HD ? HD / 32 : 8;
     constexpr int MG = HD ? MAX_GROUP : MAX_GROUP / 2;
     __shared__ int seq_s, start_s;
@@ -170,7 +174,7 @@ __device__ void attention(const typename A::T* q, const int* position_ids, const
     const int lo = window > 0 ? max(0, p - window + 1) : 0;
     const int per = (p - lo + num_splits) / num_splits;
     const int k_begin = lo + split * per, k_end = min(p + 1, k_begin + per);
-    const float scale = rsqrtf((float)head_size);
+    const float scale = rsqrtf((float)head_size) / q_scaling;  // applied to q once (the reference: to the scores)
 
     float qr[MG][E], acc[MG][E], m[MG], l[MG];
 #pragma unroll
@@ -282,19 +286,20 @@ __device__ void attention_reduce(const float* part_o, const float* part_ml, int 
     extern "C" __global__ void __launch_bounds__(128) NAME(                                                          \
         const A::T* q, const int* position_ids, const int* context_lens, const int* new_lens,                        \
         const int* block_tables, const KV::T* kv, int num_tokens, int num_seqs, int max_blocks, int num_blocks,      \
-        int layer, int heads, int kv_heads, int head_size, int tpb, int window, int kv_scale_bits, A::T* out) {      \
+        int layer, int heads, int kv_heads, int head_size, int tpb, int window, int kv_scale_bits,                   \
+        int q_scaling_bits, A::T* out) {                                                                              \
         attention<A, KV, HD, false>(q, position_ids, new_lens, block_tables, kv, num_seqs, max_blocks, num_blocks,   \
                                     layer, heads, kv_heads, head_size, tpb, window, __int_as_float(kv_scale_bits),   \
-                                    1, out, nullptr, nullptr);                                                       \
+                                    __int_as_float(q_scaling_bits), 1, out, nullptr, nullptr);                       \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(128) NAME##_split(                                                  \
         const A::T* q, const int* position_ids, const int* context_lens, const int* new_lens,                        \
         const int* block_tables, const KV::T* kv, int num_tokens, int num_seqs, int max_blocks, int num_blocks,      \
-        int layer, int heads, int kv_heads, int head_size, int tpb, int window, int kv_scale_bits, int num_splits,   \
-        float* part_o, float* part_ml) {                                                                              \
+        int layer, int heads, int kv_heads, int head_size, int tpb, int window, int kv_scale_bits,                   \
+        int q_scaling_bits, int num_splits, float* part_o, float* part_ml) {                                          \
         attention<A, KV, HD, true>(q, position_ids, new_lens, block_tables, kv, num_seqs, max_blocks, num_blocks,    \
                                    layer, heads, kv_heads, head_size, tpb, window, __int_as_float(kv_scale_bits),    \
-                                   num_splits, nullptr, part_o, part_ml);                                            \
+                                   __int_as_float(q_scaling_bits), num_splits, nullptr, part_o, part_ml);            \
     }
 
 #define ALL_HEAD_DIMS(PREFIX, A, KV)     \

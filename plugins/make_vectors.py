@@ -7,6 +7,7 @@ outputs in float32 (q, attention output) and storage bits (the pool after the wr
 float32 on inputs that are exactly representable in the activation dtype.
 
     python plugins/make_vectors.py          # rewrites tests/vectors/
+    python plugins/make_vectors.py NAME...  # rewrites only those cases (npz files carry their write time)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from toolchain.engine.ops import AttentionAttrs, kv_cache_write, paged_attention  # noqa: E402
+from toolchain.engine.ops import OMITTED_AT, AttentionAttrs, kv_cache_write, paged_attention  # noqa: E402
 
 OUT = ROOT / "tests" / "vectors"
 ACT = {"f16": torch.float16, "bf16": torch.bfloat16}
@@ -65,6 +66,7 @@ CASES: dict[str, tuple[str, str, int, int, int, int, list[int], list[int], dict[
         {"rotary_scaling_type": "linear", "rotary_scaling_factor": 4.0, "sliding_window": 10},
     ),
     "f16-hd64-no-rotary": ("f16", "f16", 4, 4, 64, 16, [7, 1], [0, 12], {"rotary_style": "none"}),
+    "bf16-hd128-gqa4-qscaling": ("bf16", "bf16", 8, 2, 128, 16, [6, 1, 1], [0, 27, 40], {"q_scaling": 1.7}),
 }
 
 
@@ -127,8 +129,10 @@ def make_case(name: str, seed: int) -> dict[str, np.ndarray]:
     )
     q = kv_cache_write(attrs, new, *args, pool)
     out = paged_attention(attrs, q, *args, pool)
+    # fields at their OMITTED_AT value stay out, as in graphs: the vectors made before those fields keep their bytes
+    meta = {k: v for k, v in asdict(attrs).items() if not (k in OMITTED_AT and v == OMITTED_AT[k])}
     return {
-        "attrs": np.array(json.dumps({**asdict(attrs), "activation": act, "kv": kv})),
+        "attrs": np.array(json.dumps({**meta, "activation": act, "kv": kv})),
         "qkv": bits(new.to(ACT[act])),
         "position_ids": positions.numpy(),
         "context_lens": np.array(ctx, dtype=np.int32),
@@ -141,12 +145,17 @@ def make_case(name: str, seed: int) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
+def main(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        sys.exit(f"make_vectors.py: unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     OUT.mkdir(parents=True, exist_ok=True)
-    for seed, name in enumerate(CASES):
+    for seed, name in enumerate(CASES):  # a case's seed is its place in CASES: add new cases at the end
+        if names and name not in names:
+            continue
         np.savez_compressed(OUT / f"{name}.npz", **make_case(name, seed))
         print(f"wrote {OUT / name}.npz")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

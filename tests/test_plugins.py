@@ -3,6 +3,7 @@ and no warning (the CI gate), and the test vectors still say what the reference 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import re
@@ -10,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from conftest import one_line_error
 
-from toolchain.engine.ops import AttentionAttrs, kv_cache_write, paged_attention
+from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, kv_cache_write, paged_attention
 from toolchain.errors import UserError
 from toolchain.plugins import compile as plugin_compile
 from toolchain.plugins.compile import ARCHS, compile_plugins
@@ -28,6 +30,11 @@ POOL = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8, "int8"
 def build_dir(plugin_cache: Path) -> Path:
     compile_plugins(ARCHS, plugin_cache)  # NVRTC runs only for a source, SM or compiler not compiled before
     return plugin_cache
+
+
+def _sm90_ptx(build_dir: Path) -> str:
+    """The PTX of the current sources (the cache also keeps builds of earlier ones, under other hashes)."""
+    return compile_plugins(("sm_90",), build_dir)[0].ptx.read_text()
 
 
 def test_every_kernel_compiles_for_every_sm_without_spills(build_dir: Path, cli: Any) -> None:
@@ -110,6 +117,7 @@ def _entry_params(ptx: str, kernel: str) -> list[str]:
         AttentionAttrs(layer=3, num_heads=32, num_kv_heads=8, head_size=128, tokens_per_block=32, kv_cache_dtype="fp8"),
         AttentionAttrs(layer=0, num_heads=8, num_kv_heads=4, head_size=8, tokens_per_block=16, kv_cache_dtype="int8"),
         AttentionAttrs(layer=1, num_heads=64, num_kv_heads=2, head_size=64, tokens_per_block=64),
+        AttentionAttrs(layer=2, num_heads=8, num_kv_heads=2, head_size=24, tokens_per_block=16, q_scaling=1.7),
     ],
 )
 def test_launch_description_matches_the_compiled_kernels(build_dir: Path, attrs: AttentionAttrs) -> None:
@@ -117,7 +125,7 @@ def test_launch_description_matches_the_compiled_kernels(build_dir: Path, attrs:
     outputs in order — checked against the PTX signatures, without TensorRT."""
     from toolchain.plugins import launch
 
-    ptx = next(build_dir.glob("plugins-sm_90-*.ptx")).read_text()
+    ptx = _sm90_ptx(build_dir)
     activation = "bfloat16"
     if attrs.kv_cache_dtype == "float32":  # the CPU default; the kernels take the activation dtype
         attrs = AttentionAttrs(**{**attrs.__dict__, "kv_cache_dtype": activation})
@@ -125,6 +133,10 @@ def test_launch_description_matches_the_compiled_kernels(build_dir: Path, attrs:
     assert write == ["u64"] * 6 + ["u32"] * len(launch.kv_write_scalars(attrs, 5, 2, 4, 40)) + ["u64"]
     attention = _entry_params(ptx, launch.attention_kernel(attrs, activation))
     assert attention == ["u64"] * 6 + ["u32"] * len(launch.attention_scalars(attrs, 5, 2, 4, 40)) + ["u64"]
+    assert launch.attention_scalars(attrs, 5, 2, 4, 40)[-2:] == [
+        launch.float_bits(attrs.kv_scale),
+        launch.float_bits(attrs.q_scaling),
+    ]
     grid = launch.attention_grid(attrs, 7)
     group, per_block = attrs.num_heads // attrs.num_kv_heads, 4 if attrs.head_size not in (64, 128) else 8
     assert grid == (7, attrs.num_kv_heads * -(-group // per_block), 1)
@@ -161,7 +173,7 @@ def test_gpu_check_launches_what_the_compiled_kernels_take(path: Path, build_dir
     from toolchain.plugins import launch
 
     gpu_check = _gpu_check()
-    ptx = next(build_dir.glob("plugins-sm_90-*.ptx")).read_text()
+    ptx = _sm90_ptx(build_dir)
 
     class Recorder:
         def __init__(self) -> None:
@@ -191,3 +203,127 @@ def test_gpu_check_launches_what_the_compiled_kernels_take(path: Path, build_dir
             assert names[1:] == [launch.attention_split_kernel(attrs, activation), launch.reduce_kernel(activation)]
             assert rec.calls[1][1] == launch.attention_split_grid(attrs, tokens, splits)
     assert f".maxntid {launch.BLOCK_THREADS}, 1, 1" in ptx
+
+
+def _mixed_batch(a: AttentionAttrs, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """q after KVCacheWrite, the op arguments and the pool, for a prefill chunk over a cached prefix and two decodes."""
+    gen = torch.Generator().manual_seed(7)
+    ctx, new = [5, 17, 9], [4, 1, 1]
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new, strict=True)]).to(torch.int32)
+    tables = torch.randperm(12, generator=gen).reshape(3, 4).to(torch.int32)
+    args = [positions, torch.tensor(ctx, dtype=torch.int32), torch.tensor(new, dtype=torch.int32), tables]
+    pool = torch.zeros(1, 12, 2, a.num_kv_heads, a.tokens_per_block, a.head_size, dtype=dtype)
+    for s, c in enumerate(ctx):  # the cached prefixes
+        qkv = torch.randn(c, (a.num_heads + 2 * a.num_kv_heads) * a.head_size, generator=gen, dtype=dtype)
+        one = torch.tensor([c], dtype=torch.int32)
+        kv_cache_write(a, qkv, torch.arange(c, dtype=torch.int32), one * 0, one, tables[s : s + 1], pool)
+    qkv = torch.randn(sum(new), (a.num_heads + 2 * a.num_kv_heads) * a.head_size, generator=gen, dtype=dtype)
+    return kv_cache_write(a, qkv, *args, pool), args, pool
+
+
+@pytest.mark.parametrize("q_scaling", [2.0, 1.7, 0.6])
+def test_q_scaling_divides_the_scores_as_a_prescaled_q_would(q_scaling: float) -> None:
+    """PagedAttention with q_scaling s computes what q_scaling 1 computes on q / s (TensorRT-LLM's definition:
+    scores = q.k / (sqrt(head_size) * q_scaling)), on the prefill path and the decode path alike: bit for bit where s
+    is a power of two (every step scales exactly), to float64 rounding otherwise."""
+    base = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=8, rotary_style="none")
+    scaled = AttentionAttrs(**{**base.__dict__, "q_scaling": q_scaling})
+    q, args, pool = _mixed_batch(base, torch.float64)
+    out = paged_attention(scaled, q, *args, pool)
+    expected = paged_attention(base, q / q_scaling, *args, pool)
+    if q_scaling == 2.0:
+        assert torch.equal(out, expected)
+    else:
+        torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    unscaled = paged_attention(base, q, *args, pool)
+    for rows in (slice(0, 4), slice(4, 6)):  # the prefill chunk, the decodes: both really change
+        assert (out[rows] - unscaled[rows]).abs().max() > 1e-3
+
+
+def test_q_scaling_is_left_out_of_the_graph_at_1_and_kept_otherwise() -> None:
+    """The byte rule: a PagedAttention node built without q_scaling has the attributes it had before the field
+    existed (tests/test_pinned_bytes.py pins those graphs); any other value is written, and both read back."""
+    a = AttentionAttrs(layer=2, num_heads=8, num_kv_heads=2, head_size=64, tokens_per_block=16, sliding_window=4)
+    plain = a.to_attributes("PagedAttention")
+    assert list(plain) == [
+        "layer",
+        "num_heads",
+        "num_kv_heads",
+        "head_size",
+        "tokens_per_block",
+        "sliding_window",
+        "kv_cache_dtype",
+        "kv_scale",
+    ]
+    assert AttentionAttrs.from_attributes("PagedAttention", plain).q_scaling == 1.0
+    gemma = AttentionAttrs(**{**a.__dict__, "q_scaling": 1.7})
+    assert gemma.to_attributes("PagedAttention") == {**plain, "q_scaling": 1.7}
+    assert "q_scaling" not in gemma.to_attributes("KVCacheWrite")
+    back = AttentionAttrs.from_attributes("PagedAttention", gemma.to_attributes("PagedAttention"))
+    assert back.q_scaling == 1.7 and back.sliding_window == 4
+    with pytest.raises(ValueError, match="unknown attributes"):
+        AttentionAttrs.from_attributes("KVCacheWrite", {**plain, "q_scaling": 1.7})
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.7, float("nan"), float("inf"), True, "1.7"])
+def test_q_scaling_must_be_a_finite_positive_number(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"q_scaling .*expected a finite number > 0"):
+        AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16, q_scaling=bad)
+
+
+def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
+    """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling even where the graph
+    left it out; the graph itself is not changed."""
+    from onnx import helper
+
+    from toolchain.plugins.onnx_fields import complete_plugin_fields
+
+    a = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16)
+    ins = ["q", "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]
+    nodes = [
+        helper.make_node("KVCacheWrite", ins, ["q0"], domain="trtbuild", **a.to_attributes("KVCacheWrite")),
+        helper.make_node("PagedAttention", ins, ["o0"], domain="trtbuild", **a.to_attributes("PagedAttention")),
+        helper.make_node(
+            "PagedAttention",
+            ins,
+            ["o1"],
+            domain="trtbuild",
+            **AttentionAttrs(**{**a.__dict__, "q_scaling": 1.7}).to_attributes("PagedAttention"),
+        ),
+        helper.make_node("Relu", ["o1"], ["y"]),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [], []))
+    before = model.SerializeToString()
+    done = complete_plugin_fields(model)
+    assert model.SerializeToString() == before
+    assert [done.graph.node[i] for i in (0, 2, 3)] == [model.graph.node[i] for i in (0, 2, 3)]  # nothing to add
+    added = done.graph.node[1].attribute
+    assert added[:-1] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
+    assert added[-1].name == "q_scaling" and added[-1].type == onnx.AttributeProto.FLOAT and added[-1].f == 1.0
+
+
+def test_tensorrt_registration_declares_the_op_fields() -> None:
+    """The TensorRT plugin fields (register and aot_impl signatures of tensorrt_registration.py, read without
+    TensorRT) are each op's OP_FIELDS, in AttentionAttrs' order, the same in both functions."""
+    import ast
+
+    source = (Path(plugin_compile.__file__).parent / "tensorrt_registration.py").read_text()
+    order = [f.name for f in dataclasses.fields(AttentionAttrs)]
+    seen = {}
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef):
+            continue
+        for deco in fn.decorator_list:
+            if isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute):
+                kind = deco.func.attr
+                if kind not in ("register", "aot_impl"):
+                    continue
+                op = ast.literal_eval(deco.args[0]).split("::")[1]
+                names = [
+                    p.arg
+                    for p in fn.args.args
+                    if "TensorDesc" not in ast.unparse(p.annotation) and p.arg not in ("outputs", "tactic")
+                ]
+                assert names == sorted(OP_FIELDS[op], key=order.index), (fn.name, op)
+                seen[(op, kind)] = names
+    assert len(seen) == 4 and "q_scaling" in seen[("PagedAttention", "aot_impl")]

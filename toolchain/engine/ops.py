@@ -15,12 +15,13 @@ PagedAttention
   outputs  out [num_tokens, heads * head_size]
   each new token attends, causally, to every cached and new token of its own sequence at positions <= its own (and
   > its own - sliding_window when there is one), reading K and V from the pool (dequantized); query head h reads
-  KV head h // (heads / kv_heads).
+  KV head h // (heads / kv_heads). Scores are q.k / (sqrt(head_size) * q_scaling).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -49,17 +50,33 @@ class AttentionAttrs:
     sliding_window: int = 0  # 0: attend to the whole context
     kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8
     kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool
+    # Attention scores are q.k / (sqrt(head_size) * q_scaling): TensorRT-LLM's gpt_attention field of that name
+    # (tensorrt_llm/_torch/modules/attention.py: "qk_scale = 1 / (sqrt(head_dim) * q_scaling)"; Gemma 2 / 3 set
+    # q_scaling = sqrt(query_pre_attn_scalar / head_size) in tensorrt_llm/models/gemma/model.py).
+    q_scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        q = self.q_scaling
+        if isinstance(q, bool) or not isinstance(q, numbers.Real) or not math.isfinite(q) or q <= 0:
+            raise ValueError(
+                f"attention q_scaling {q!r}: expected a finite number > 0 (scores are divided by "
+                "sqrt(head_size) * q_scaling; 1.0 for the standard scale)"
+            )
 
     def to_attributes(self, op: str) -> dict[str, Any]:
-        """The fields op `op` uses (OP_FIELDS)."""
-        return {k: v for k, v in asdict(self).items() if k in OP_FIELDS[op]}
+        """The fields op `op` uses (OP_FIELDS), less those at their value in every graph built before the field
+        existed (OMITTED_AT): graphs that do not use a newer field stay byte-identical (tests/test_pinned_bytes.py)
+        and from_attributes gives it back its default."""
+        return {
+            k: v for k, v in asdict(self).items() if k in OP_FIELDS[op] and not (k in OMITTED_AT and v == OMITTED_AT[k])
+        }
 
     @classmethod
     def from_attributes(cls, op: str, attrs: dict[str, Any]) -> AttentionAttrs:
         unknown = set(attrs) - OP_FIELDS[op]
         if unknown:
             raise ValueError(f"{op}: unknown attributes {sorted(unknown)}")
-        return cls(**attrs)
+        return cls(**attrs)  # an omitted field (OMITTED_AT) takes its default
 
     def rotary_scaling(self) -> dict[str, Any] | None:
         if self.rotary_scaling_type == "none":
@@ -80,8 +97,10 @@ class AttentionAttrs:
 _COMMON = {"layer", "num_heads", "num_kv_heads", "head_size", "tokens_per_block", "kv_cache_dtype", "kv_scale"}
 OP_FIELDS = {
     "KVCacheWrite": _COMMON | {f.name for f in fields(AttentionAttrs) if f.name.startswith("rotary_")},
-    "PagedAttention": _COMMON | {"sliding_window"},
+    "PagedAttention": _COMMON | {"sliding_window", "q_scaling"},
 }
+# Fields added after graphs were first pinned, and the value at which to_attributes leaves them out of the graph.
+OMITTED_AT: dict[str, Any] = {"q_scaling": 1.0}
 
 
 def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch.Tensor:
@@ -173,7 +192,7 @@ def paged_attention(
         allowed = key_pos[None, :] <= query_pos
         if a.sliding_window:
             allowed &= query_pos - key_pos[None, :] < a.sliding_window
-        scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / math.sqrt(d)
+        scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / (math.sqrt(d) * a.q_scaling)
         probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
         out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
     if decodes:
@@ -212,7 +231,12 @@ def _decode_attention(
     keys = _load(flat.index_select(0, rows.reshape(-1)), a, compute).view(n, kvh, -1, d)
     values = _load(flat.index_select(0, (rows + kvh * tpb).reshape(-1)), a, compute).view(n, kvh, -1, d)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(n, h, 1, d), keys, values, attn_mask=valid[:, None, None, :], enable_gqa=kvh != h
+        q.view(n, h, 1, d),
+        keys,
+        values,
+        attn_mask=valid[:, None, None, :],
+        enable_gqa=kvh != h,
+        scale=1 / (math.sqrt(d) * a.q_scaling),  # at q_scaling 1: bit-identical to SDPA's default 1 / sqrt(d)
     )
     return out.reshape(n, h, d)
 

@@ -15,9 +15,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import onnx
+
 from toolchain.engine.api import Limits
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
+from toolchain.plugins.onnx_fields import complete_plugin_fields
 
 PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers the trtbuild plugins via tensorrt.plugin
 PLAN_NAME = "engine.plan"
@@ -105,7 +108,10 @@ def build_plan(
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):
+    # plugin fields the graph omits at their default (ops.OMITTED_AT) are filled in memory: tensorrt.plugin takes
+    # every field positionally and has no defaults; external weights are found beside onnx_path
+    graph = complete_plugin_fields(onnx.load(str(onnx_path), load_external_data=False))
+    if not parser.parse(graph.SerializeToString(), str(onnx_path)):
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise UserError(f"{onnx_path}: TensorRT's ONNX parser failed: {errors}")
     config = builder.create_builder_config()

@@ -70,8 +70,9 @@ def kv_write_grid(num_tokens: Any) -> tuple[Any, int, int]:
 
 
 def attention_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
+    """The common scalars, then window, kv_scale and q_scaling (floats as bits); the split variant then `splits`."""
     common = _common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks)
-    return [*common, a.sliding_window, float_bits(a.kv_scale)]
+    return [*common, a.sliding_window, float_bits(a.kv_scale), float_bits(a.q_scaling)]
 
 
 def attention_grid(a: AttentionAttrs, num_tokens: Any) -> tuple[Any, int, int]:

@@ -3,7 +3,9 @@ time: shape and type functions, then PTX and launch parameters, so an engine nee
 
 Imported by toolchain/engine/tensorrt_backend.py before the ONNX parser meets the `trtbuild::KVCacheWrite` and
 `trtbuild::PagedAttention` nodes. Kernel names, grids and scalar arguments come from launch.py (tested without
-TensorRT); the PTX from `trtbuild plugins compile` for the SM TensorRT builds for.
+TensorRT); the PTX from `trtbuild plugins compile` for the SM TensorRT builds for. A graph omits q_scaling at 1.0
+(AttentionAttrs.to_attributes) and tensorrt.plugin has no default field values: TensorRT must parse the graph as
+onnx_fields.complete_plugin_fields returns it.
 
 Not yet run: no machine of this project has had TensorRT (docs/kernels.md).
 """
@@ -138,6 +140,7 @@ def _attention_desc(
     sliding_window: int,
     kv_cache_dtype: str,
     kv_scale: float,
+    q_scaling: float,
 ) -> trtp.TensorDesc:
     return q.like()
 
@@ -163,6 +166,7 @@ def _attention_impl(
     sliding_window: int,
     kv_cache_dtype: str,
     kv_scale: float,
+    q_scaling: float,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str, str, Any, Any]:

@@ -1,0 +1,28 @@
+"""Every plugin field on every plugin node, for TensorRT's ONNX parser: a graph leaves a newer field out at its old
+value (AttentionAttrs.to_attributes and OMITTED_AT, so that graphs not using it stay byte-identical), but
+`tensorrt.plugin` takes no default attribute values ("Default values are not supported yet", tensorrt/plugin/
+_validate.py) and TensorRT's parser only warns about a field a node lacks ("Attribute ... not found in plugin
+node"), then calls the registered functions without it. The TensorRT backend therefore parses a copy completed
+here, in memory; the graph on disk stays as built. The CPU backend needs none of this (from_attributes defaults)."""
+
+from __future__ import annotations
+
+import onnx
+from onnx import helper
+
+from toolchain.engine.contract import PLUGIN_DOMAIN
+from toolchain.engine.ops import OMITTED_AT, OP_FIELDS
+
+
+def complete_plugin_fields(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of `model` whose plugin nodes carry every field of their op, omitted ones at their OMITTED_AT value."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.domain != PLUGIN_DOMAIN or node.op_type not in OP_FIELDS:
+            continue
+        present = {a.name for a in node.attribute}
+        for name, value in OMITTED_AT.items():
+            if name in OP_FIELDS[node.op_type] and name not in present:
+                node.attribute.append(helper.make_attribute(name, value))
+    return out
