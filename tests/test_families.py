@@ -23,7 +23,9 @@ def save_random(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     }[arch]
     gpt2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 64}
     base: dict[str, Any] = gpt2 if arch == "gpt2" else BASE
@@ -111,13 +113,15 @@ def test_gpt2_with_the_prefix_missing_on_some_tensors(cli: Any, tmp_path: Path) 
     assert "missing" in line and "transformer.h.1." in line
 
 
-def test_qwen_per_layer_window_is_refused(cli: Any, tmp_path: Path) -> None:
-    from conftest import one_line_error
-    from test_bad_input import edit_config
+def test_qwen_windows_without_use_sliding_window_are_ignored(tmp_path: Path) -> None:
+    """Qwen2.5 configs carry sliding_window and max_window_layers with use_sliding_window false: no layer slides."""
+    from toolchain.checkpoint.spec import spec_of
 
-    hf = save_random(tmp_path / "hf", "qwen2")
-    edit_config(hf, use_sliding_window=True)
-    assert "use_sliding_window=true" in one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
+    hf = save_random(tmp_path / "hf", "qwen2", sliding_window=4, max_window_layers=0)
+    convert(hf, tmp_path / "ckpt")
+    assert spec_of(read_config(tmp_path / "ckpt")).windows == [None, None]
+    max_abs, _ = compare(hf, tmp_path / "ckpt", seq=40)
+    assert max_abs < 1e-4
 
 
 def test_gpt2_exact_gelu_is_refused(cli: Any, tmp_path: Path) -> None:
@@ -127,3 +131,114 @@ def test_gpt2_exact_gelu_is_refused(cli: Any, tmp_path: Path) -> None:
     hf = save_random(tmp_path / "hf", "gpt2", activation_function="gelu")
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
     assert "activation_function 'gelu'" in line and "gelu_new" in line
+
+
+# --- Phi-3 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj, sliding window, refused long-context rope ---------
+
+# Phi3Config's token ids default to 32000, outside the tiny vocabulary (its embedding's padding_idx must fit).
+PHI3_TOKENS: dict[str, Any] = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
+PHI3: dict[str, dict[str, Any]] = {
+    "phi3-gqa": {},
+    "phi3-window": {"sliding_window": 8},  # shorter than the test sequences: the mask differs from causal
+    "phi3-tied-mha": {"tie_word_embeddings": True, "num_key_value_heads": 8},
+}
+
+
+def save_phi3(path: Path, name: str) -> Path:
+    return save_random(path, "phi3", **PHI3_TOKENS, **PHI3[name])
+
+
+@pytest.mark.parametrize("name", list(PHI3))
+def test_phi3_matches_transformers(name: str, tmp_path: Path) -> None:
+    hf = save_phi3(tmp_path / "hf", name)
+    convert(hf, tmp_path / "ckpt")
+    max_abs, same_top1 = compare(hf, tmp_path / "ckpt", seq=40)
+    assert max_abs < 1e-4
+    assert same_top1 == 1.0
+
+
+def test_phi3_fused_tensors_map_to_trtllm_names(tmp_path: Path) -> None:
+    """qkv_proj is already [q; k; v]; gate_up_proj's first half (gate, the activated one) -> mlp.fc, up -> mlp.gate."""
+    hf = save_phi3(tmp_path / "hf", "phi3-window")
+    convert(hf, tmp_path / "ckpt")
+    src, out = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
+    cfg = read_config(tmp_path / "ckpt")
+    gate_up, i = src["model.layers.1.mlp.gate_up_proj.weight"], cfg.intermediate_size
+    assert torch.equal(out["transformer.layers.1.mlp.fc.weight"], gate_up[:i])
+    assert torch.equal(out["transformer.layers.1.mlp.gate.weight"], gate_up[i:])
+    assert torch.equal(
+        out["transformer.layers.1.attention.qkv.weight"], src["model.layers.1.self_attn.qkv_proj.weight"]
+    )
+    assert not any("gate_up" in n or "qkv_proj" in n for n in out)
+    assert cfg.architecture == "Phi3ForCausalLM" and cfg.sliding_window == 8 and cfg.rotary_scaling is None
+    assert cfg.norm_epsilon == 1e-5 and not cfg.attn_bias and not cfg.mlp_bias and cfg.hidden_act == "silu"
+    convert(hf, tmp_path / "threads", workers=3)  # two outputs read one source: the bytes do not depend on threads
+    threads, one = (tmp_path / d / "rank0.safetensors" for d in ("threads", "ckpt"))
+    assert threads.read_bytes() == one.read_bytes()
+
+
+def test_phi3_window_is_recorded_and_matters(tmp_path: Path) -> None:
+    import json
+
+    hf = save_phi3(tmp_path / "hf", "phi3-window")
+    convert(hf, tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    assert config["sliding_window"] == 8
+    config["sliding_window"] = None
+    path.write_text(json.dumps(config))
+    max_abs, _ = compare(hf, tmp_path / "ckpt", seq=40)
+    assert max_abs > 1e-3
+
+
+@pytest.mark.parametrize(("name", "tp"), [("phi3-window", 2), ("phi3-gqa", 4)])
+def test_phi3_tensor_parallel(name: str, tp: int, tmp_path: Path) -> None:
+    """Each rank's mlp.fc/mlp.gate are its slice of the right half; tp 4 > 2 KV heads replicates them."""
+    from toolchain.reference.model import ReferenceModel
+    from toolchain.reference.parallel import merge_ranks, tp_logits
+
+    hf = save_phi3(tmp_path / "hf", name)
+    convert(hf, tmp_path / "one")
+    convert(hf, tmp_path / "tp", tp=tp)
+    single = load_file(str(tmp_path / "one" / "rank0.safetensors"))
+    merged = merge_ranks(tmp_path / "tp")
+    assert merged.keys() == single.keys()
+    assert all(torch.equal(merged[n], t) for n, t in single.items())
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    expected = ReferenceModel.from_checkpoint(tmp_path / "one", torch.float64).forward(ids)
+    assert (expected - tp_logits(tmp_path / "tp", ids, torch.float64)).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("name", ["phi3-window", "phi3-tied-mha"])
+def test_phi3_cpu_engine_matches_transformers(name: str, tmp_path: Path) -> None:
+    from test_engine import assert_matches, build, hf_logits, run_alone
+
+    hf = save_phi3(tmp_path / "hf", name)
+    convert(hf, tmp_path / "ckpt")
+    engine = build(tmp_path / "ckpt", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
+    assert_matches(run_alone(engine, ids), hf_logits(hf, ids))
+
+
+LONGROPE = {"long_factor": [1.0] * 4, "short_factor": [1.0] * 4}
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"rope_scaling": {"type": "longrope", **LONGROPE}}, "rope_scaling.type 'longrope'"),
+        ({"rope_scaling": {"type": "su", **LONGROPE}}, "rope_scaling.type 'su'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, **LONGROPE}}, "rope_parameters.rope_type"),
+        ({"partial_rotary_factor": 0.75}, "partial_rotary_factor 0.75"),
+        ({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.5}}, "partial_rotary_factor 0.5"),
+    ],
+)
+def test_phi3_unsupported_rope_is_refused(changes: dict[str, Any], expected: str, cli: Any, tmp_path: Path) -> None:
+    from conftest import one_line_error
+    from test_bad_input import edit_config
+
+    hf = save_phi3(tmp_path / "hf", "phi3-gqa")
+    edit_config(hf, **changes)
+    line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
+    assert expected in line and "config.json" in line
+    assert not (tmp_path / "out").exists()

@@ -21,7 +21,7 @@ from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.reference.model import ReferenceModel
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])  # RMSNorm; LayerNorm whose bias must be divided too
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2", "gemma3"])  # RMSNorm; LayerNorm (bias too); sandwich norms
 def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) -> None:
     convert(save_random(tmp_path / "hf", arch), tmp_path / "ckpt")
     cfg, weights = read_config(tmp_path / "ckpt"), load_rank(tmp_path / "ckpt", 0)
@@ -37,7 +37,10 @@ def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) 
         assert searched == {}  # a fixed α searches nothing
     assert set(prequant) == {f"transformer.layers.{i}.{m}" for i in range(2) for m in ("attention.dense", "mlp.proj")}
     changed = [n for n in weights if not torch.equal(weights[n].double(), smoothed[n])]
-    assert any("input_layernorm" in n for n in changed) and any("post_layernorm" in n for n in changed)
+    feeding = {
+        f"{n.name}.{k}" for ls in base.spec.layers for n in (ls.attn_norm, ls.mlp_norm) for k in ("weight", "bias")
+    }
+    assert {n for n in changed if "norm" in n} == feeding & set(weights)  # the spec's pairs, sandwich norms untouched
     model = ReferenceModel(cfg, smoothed, torch.float64)
     model.hooks = FakeQuant({p: s.double() for p, s in prequant.items()}, {}, None, {}, None)
     torch.testing.assert_close(model.forward(ids), base.forward(ids), rtol=0, atol=1e-10)

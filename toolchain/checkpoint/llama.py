@@ -82,10 +82,43 @@ def _rope(hf: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None
     return theta, dict(sorted(scaling.items()))
 
 
-def refuse_layer_windows(hf: dict[str, Any], source: str) -> None:
-    """Qwen's `use_sliding_window` windows only some layers (`max_window_layers`): not implemented."""
-    if hf.get("use_sliding_window"):
-        raise UserError(f"{source}: use_sliding_window=true (per-layer windows) is not supported; set it to false")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def layer_windows(hf: dict[str, Any], source: str) -> dict[str, Any]:
+    """Qwen2/Qwen3's per-layer windows as config fields: with `use_sliding_window`, the layers from
+    `max_window_layers` on slide (or those `layer_types` marks "sliding_attention"), as transformers' Qwen2Config
+    decides; without it no layer slides, whatever `sliding_window` says. TensorRT-LLM's Qwen config has no window
+    field (windows are a build option there); we write `sliding_window` and `layer_types` (docs/conversion.md)."""
+    if not boolean(hf, "use_sliding_window", source):
+        return {}
+    layers = positive_int(hf, "num_hidden_layers", source)
+    window = positive_int(hf, "sliding_window", source)
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", layers)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise UserError(f"{source}: 'max_window_layers' must be a non-negative integer, got {first!r}")
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {"sliding_window": window, "family_fields": {"layer_types": check_layer_types(types, layers, source)}}
+
+
+def check_layer_types(types: Any, layers: int, source: str) -> list[str]:
+    if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        raise UserError(
+            f"{source}: 'layer_types' must list {layers} entries, each one of {', '.join(LAYER_TYPES)}; got {types!r}"
+        )
+    return list(types)
+
+
+def windows_of(cfg: ModelConfig) -> list[int | None]:
+    """Each layer's attention window: `sliding_window` on the layers `layer_types` marks sliding (every layer
+    when there is no `layer_types`: Mistral)."""
+    types = cfg.family_fields.get("layer_types")
+    if types is None:
+        return [cfg.sliding_window] * cfg.num_hidden_layers
+    types = check_layer_types(types, cfg.num_hidden_layers, "config.json")
+    return [cfg.sliding_window if t == "sliding_attention" else None for t in types]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
@@ -135,9 +168,10 @@ def spec(cfg: ModelConfig) -> ModelSpec:
 
 def llama_style_spec(cfg: ModelConfig, dense_bias: bool | None = None) -> ModelSpec:
     """Every Llama-style family: RMSNorm before attention and MLP, GatedMLP, rotary on every layer, Mistral's window
-    on every layer; `attn_bias` puts biases on q, k, v and o_proj (Llama's attention_bias), unless `dense_bias`
-    says otherwise for o_proj (Qwen2: q, k, v only)."""
+    on every layer or Qwen's on those `layer_types` marks; `attn_bias` puts biases on q, k, v and o_proj (Llama's
+    attention_bias), unless `dense_bias` says otherwise for o_proj (Qwen2: q, k, v only)."""
     eps = cfg.norm_epsilon
+    windows = windows_of(cfg)
 
     def layer(i: int) -> LayerSpec:
         p = f"transformer.layers.{i}"
@@ -148,7 +182,7 @@ def llama_style_spec(cfg: ModelConfig, dense_bias: bool | None = None) -> ModelS
             q_norm=Norm(f"{p}.attention.q_layernorm", eps=eps) if cfg.qk_layernorm else None,
             k_norm=Norm(f"{p}.attention.k_layernorm", eps=eps) if cfg.qk_layernorm else None,
             rope=Rope(cfg.rotary_base, cfg.rotary_scaling),
-            window=cfg.sliding_window,
+            window=windows[i],
             qkv_bias=cfg.attn_bias,
             dense_bias=cfg.attn_bias if dense_bias is None else dense_bias,
             activation=cfg.hidden_act,

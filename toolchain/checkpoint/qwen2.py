@@ -16,9 +16,9 @@ from toolchain.checkpoint.llama import (
     LAYER_TABLE,
     QKV_BIAS_TABLE,
     build_table,
+    layer_windows,
     llama_style_config,
     llama_style_spec,
-    refuse_layer_windows,
     source_shapes,
 )
 from toolchain.checkpoint.spec import ModelSpec
@@ -28,10 +28,9 @@ __all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    refuse_layer_windows(hf, source)
-    return llama_style_config(
-        hf, dtype, source, "Qwen2ForCausalLM", attn_bias=True, family_fields={"qwen_type": "qwen2"}
-    )
+    windows = layer_windows(hf, source)
+    family = {"qwen_type": "qwen2", **windows.pop("family_fields", {})}
+    return llama_style_config(hf, dtype, source, "Qwen2ForCausalLM", attn_bias=True, family_fields=family, **windows)
 
 
 def weight_table(cfg: ModelConfig, available: set[str]) -> list[Any]:

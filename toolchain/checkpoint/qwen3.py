@@ -12,8 +12,8 @@ from typing import Any
 
 from toolchain.checkpoint.llama import (
     DROPPED,
+    layer_windows,
     llama_style_config,
-    refuse_layer_windows,
     source_shapes,
     spec,
     weight_table,
@@ -24,7 +24,6 @@ __all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    refuse_layer_windows(hf, source)
-    return llama_style_config(
-        hf, dtype, source, "Qwen3ForCausalLM", qk_layernorm=True, family_fields={"qwen_type": "qwen3"}
-    )
+    windows = layer_windows(hf, source)
+    family = {"qwen_type": "qwen3", **windows.pop("family_fields", {})}
+    return llama_style_config(hf, dtype, source, "Qwen3ForCausalLM", qk_layernorm=True, family_fields=family, **windows)

@@ -21,7 +21,9 @@ _FAMILIES: dict[str, str] = {
     "MistralForCausalLM": "toolchain.checkpoint.mistral",
     "Qwen2ForCausalLM": "toolchain.checkpoint.qwen2",
     "Qwen3ForCausalLM": "toolchain.checkpoint.qwen3",
+    "Phi3ForCausalLM": "toolchain.checkpoint.phi3",
     "GPT2LMHeadModel": "toolchain.checkpoint.gpt2",
+    "Gemma3ForCausalLM": "toolchain.checkpoint.gemma3",
 }
 
 Shape = tuple[int, ...]

@@ -271,6 +271,8 @@ class _Exporter:
             sliding_window=ls.window or 0,
             kv_cache_dtype=self.kv_dtype,
             kv_scale=kv_scale,
+            # the plugin divides scores by sqrt(head_size) * q_scaling (ops.py); a layer's own scale sets it
+            q_scaling=1.0 if ls.attn_scale is None else 1 / (ls.attn_scale * c.head_size**0.5),
         )
 
     # -- the graph --------------------------------------------------------------------------------------------

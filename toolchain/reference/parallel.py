@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.checkpoint.sharding import padded_vocab, split_of, stage_layers, unshard
-from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.checkpoint.spec import LayerSpec
+from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.model import ReferenceModel
 
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")

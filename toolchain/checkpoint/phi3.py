@@ -1,0 +1,107 @@
+"""Phi-3 (`Phi3ForCausalLM`, e.g. microsoft/Phi-3-mini-4k-instruct): Llama's layer with fused projections.
+
+HF Phi-3 (transformers models/phi3/modeling_phi3.py) stores `self_attn.qkv_proj` (rows q, k, v) and
+`mlp.gate_up_proj` (rows: gate, then up; `gate, up = chunk(2)`, `down(up * silu(gate))`); no biases.
+TensorRT-LLM's converter (tensorrt_llm/models/phi3/convert.py `load_weights_from_hf_model`) renames
+`qkv_proj` -> `attention.qkv`, `o_proj` -> `attention.dense`, `down_proj` -> `mlp.proj`,
+`post_attention_layernorm` -> `post_layernorm`, `model.norm` -> `transformer.ln_f`; its config
+(models/phi3/config.py) takes `rotary_base` = rope_theta, `norm_epsilon` = rms_norm_eps, `rotary_pct` =
+partial_rotary_factor, `position_embedding_type` rope_gpt_neox, and "long_rope" for the 128k models.
+One difference, on purpose: TensorRT-LLM's Phi3 class keeps gate_up_proj fused in `mlp.fc` (halves swapped, for
+its `swiglu` MLP); we split it into the Llama GatedMLP layout every later stage implements (the gate half ->
+`mlp.fc`, the activated branch; the up half -> `mlp.gate`), which TensorRT-LLM's LLaMA model reads.
+`sliding_window` is recorded as for Mistral: HF Phi-3 masks with it (each query sees itself and the
+window - 1 tokens before it). Refused with one line: long-context rope ("longrope", "su", "yarn") and
+`partial_rotary_factor` != 1 (Phi-4-mini), which neither the reference nor our attention plugin implement.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from toolchain.checkpoint.hf_fields import positive_float, positive_int
+from toolchain.checkpoint.llama import DROPPED, LayerRow, build_table, llama_style_config, spec
+from toolchain.checkpoint.sharding import Rule
+from toolchain.checkpoint.trtllm import ModelConfig
+from toolchain.errors import UserError
+
+__all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
+
+Shape = tuple[int, ...]
+
+LAYER_TABLE: tuple[LayerRow, ...] = (
+    ("input_layernorm.weight", ("input_layernorm.weight",)),
+    ("attention.qkv.weight", ("self_attn.qkv_proj.weight",)),  # already q, k, v on the output dim
+    ("attention.dense.weight", ("self_attn.o_proj.weight",)),
+    ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
+    ("mlp.proj.weight", ("mlp.down_proj.weight",)),
+)
+# TRT-LLM name <- (fused HF source, which half of its rows).
+HALF_TABLE: tuple[tuple[str, str, int], ...] = (
+    ("mlp.fc.weight", "mlp.gate_up_proj.weight", 0),  # gate: the activated branch
+    ("mlp.gate.weight", "mlp.gate_up_proj.weight", 1),  # up
+)
+
+
+def _refuse_unsupported_rope(hf: dict[str, Any], source: str) -> None:
+    for key in ("rope_scaling", "rope_parameters"):
+        params = hf.get(key)
+        if not isinstance(params, dict):
+            continue  # absent (null) here; a malformed value is refused by llama_style_config
+        field = "rope_type" if "rope_type" in params else "type"
+        kind = params.get(field, "default")
+        if kind != "default":
+            raise UserError(
+                f"{source}: {key}.{field} {kind!r} (Phi-3 long-context rope) is not supported; only unscaled rope "
+                "is: use a 4k-context Phi-3 model"
+            )
+    for where, params in (("", hf), ("rope_parameters.", hf.get("rope_parameters"))):
+        factor = params.get("partial_rotary_factor", 1.0) if isinstance(params, dict) else 1.0
+        if factor != 1:
+            raise UserError(
+                f"{source}: {where}partial_rotary_factor {factor!r} is not supported (rotary over part of each "
+                "head); supported: 1.0"
+            )
+
+
+def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
+    _refuse_unsupported_rope(hf, source)
+    window = positive_int(hf, "sliding_window", source) if hf.get("sliding_window") is not None else None
+    return llama_style_config(
+        hf,
+        dtype,
+        source,
+        "Phi3ForCausalLM",
+        norm_epsilon=positive_float(hf, "rms_norm_eps", source, 1e-5),  # Phi3Config's default, not Llama's
+        attn_bias=False,  # HF Phi-3 has no biases whatever config.json says
+        mlp_bias=False,
+        sliding_window=window,
+    )
+
+
+def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
+    table = build_table(cfg, available, list(LAYER_TABLE))
+    i = cfg.intermediate_size
+    for layer in range(cfg.num_hidden_layers):
+        table += [
+            Rule(f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), rows=(half * i, (half + 1) * i))
+            for dst, src, half in HALF_TABLE
+        ]
+    return table
+
+
+def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, Shape]:
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
+    per_layer: dict[str, Shape] = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.qkv_proj.weight": (q + 2 * kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_up_proj.weight": (2 * i, h),
+        "mlp.down_proj.weight": (h, i),
+    }
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for layer in range(cfg.num_hidden_layers):
+        shapes.update({f"model.layers.{layer}.{k}": s for k, s in per_layer.items()})
+    return shapes
