@@ -154,25 +154,3 @@ def test_awq_search_never_loses_to_round_to_nearest() -> None:
     s, alpha, ratio = search_scales(weight, inputs, inputs.abs().mean(0), 32)
     assert s.shape == (64,) and 0 <= alpha < 1 and ratio <= 1
     assert ratio < 0.9  # with loud channels, scaling them is worth it
-
-
-@pytest.mark.parametrize(("method", "group"), [("w8a16", 128), ("w4a16", 64)])
-def test_streaming_quantize_writes_the_same_bytes(method: str, group: int, stories_ckpt: Path, tmp_path: Path) -> None:
-    """Round-to-nearest without calibration streams tensor by tensor; the output is byte-identical to the
-    in-memory path (K = 172 padded to whole groups included)."""
-    opts = QuantizeOptions(method, group_size=group)
-    quantize_checkpoint(stories_ckpt, tmp_path / "mem", opts, stream=False)
-    quantize_checkpoint(stories_ckpt, tmp_path / "stream", opts, stream=True)
-    for name in ("rank0.safetensors", "config.json"):
-        assert (tmp_path / "mem" / name).read_bytes() == (tmp_path / "stream" / name).read_bytes()
-
-
-@pytest.mark.parametrize(("method", "kv"), [("w4a16_awq", "none"), ("w8a8_sq", "int8"), ("fp8", "fp8")])
-def test_layerwise_calibration_writes_the_same_bytes(method: str, kv: str, stories_ckpt: Path, tmp_path: Path) -> None:
-    """Calibrating methods go one layer at a time; statistics, scales and bytes equal calibrating the whole
-    model first."""
-    opts = QuantizeOptions(method, kv, 32, calib_data=WIKI / "valid.txt", calib_samples=12, calib_seq_len=64)
-    quantize_checkpoint(stories_ckpt, tmp_path / "mem", opts, stream=False)
-    quantize_checkpoint(stories_ckpt, tmp_path / "layers", opts)
-    for name in ("rank0.safetensors", "config.json"):
-        assert (tmp_path / "mem" / name).read_bytes() == (tmp_path / "layers" / name).read_bytes()

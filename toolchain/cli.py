@@ -26,6 +26,7 @@ from typer._click.exceptions import ClickException, UsageError
 from toolchain import __version__, console
 from toolchain import serve as serving  # the server's defaults (constants only; the server loads on use)
 from toolchain.errors import UserError
+from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES, METHODS_HELP
 
 
 class _PlainErrors(typer.core.TyperGroup):
@@ -181,18 +182,9 @@ def convert(
     )
 
 
-class Method(str, Enum):
-    w8a16 = "w8a16"
-    w4a16 = "w4a16"
-    w4a16_awq = "w4a16_awq"
-    w8a8_sq = "w8a8_sq"
-    fp8 = "fp8"
-
-
-class KvCache(str, Enum):
-    none = "none"
-    int8 = "int8"
-    fp8 = "fp8"
+# the quantization registry's names (toolchain/quantize/methods/__init__.py: no torch at CLI start-up)
+Method = Enum("Method", {name: name for name in METHOD_NAMES}, type=str)  # type: ignore[misc]
+KvCache = Enum("KvCache", {name: name for name in KV_CACHE_NAMES}, type=str)  # type: ignore[misc]
 
 
 @app.command(
@@ -204,12 +196,9 @@ def quantize(
     output: OutputOpt,
     method: Annotated[
         Method,
-        typer.Option(
-            help="w8a16: int8 weights per channel; w4a16: int4 per group; w4a16_awq: int4 with AWQ scales; "
-            "w8a8_sq: SmoothQuant int8 weights and activations; fp8: E4M3 weights and activations."
-        ),
+        typer.Option(help=f"{METHODS_HELP}."),
     ],
-    kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache.none,
+    kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache("none"),
     group_size: Annotated[int, typer.Option("--group-size", help="w4a16 group size: 32, 64 or 128.")] = 128,
     calib_data: Annotated[
         Path | None,

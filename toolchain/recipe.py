@@ -24,12 +24,15 @@ from pydantic import (
     StrictInt,
     StrictStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 from toolchain.errors import UserError
 from toolchain.files import RECIPE_LIMIT, read_text_capped
+from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 # YAML 1.2's float forms (an exponent needs no dot and no sign: 1e-9, 5e3, -1E-4; a sign before a bare fraction:
@@ -91,8 +94,10 @@ class ConvertSection(_Section):
 class QuantizeSection(_Section):
     """The quantize stage, as `trtbuild quantize` (the recipe's `seed` chooses the calibration windows)."""
 
-    method: Literal["w8a16", "w4a16", "w4a16_awq", "w8a8_sq", "fp8"] = Field(description="Quantization method")
-    kv_cache: Literal["none", "int8", "fp8"] = Field("none", description="KV cache quantization")
+    method: StrictStr = Field(description="Quantization method", json_schema_extra={"enum": list(METHOD_NAMES)})
+    kv_cache: StrictStr = Field(
+        "none", description="KV cache quantization", json_schema_extra={"enum": list(KV_CACHE_NAMES)}
+    )
     group_size: Literal[32, 64, 128] = Field(128, description="Group size of w4a16 / w4a16_awq")
     calib_data: Path | None = Field(None, description="Calibration text (.txt / .jsonl); relative to the recipe")
     calib_samples: StrictInt = Field(64, ge=1, description="Calibration windows")
@@ -103,6 +108,14 @@ class QuantizeSection(_Section):
     )
     eval_data: Path | None = Field(None, description="Text to measure the quality cost on; relative to the recipe")
     eval_tokens: StrictInt = Field(50_000, ge=2, description="Tokens of eval_data to score")
+
+    @field_validator("method", "kv_cache")
+    @classmethod
+    def _registered(cls, value: str, info: ValidationInfo) -> str:
+        names = METHOD_NAMES if info.field_name == "method" else KV_CACHE_NAMES
+        if value not in names:  # a custom error: pydantic's "Value error, " prefix is noise to a recipe's author
+            raise PydanticCustomError("registered", "must be one of {names}", {"names": ", ".join(names)})
+        return value
 
     @field_validator("sq_alpha", mode="before")
     @classmethod

@@ -24,8 +24,8 @@ from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cac
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
-from toolchain.quantize.core import unpack_int4
-from toolchain.quantize.scheme import ACTIVATION_KIND, in_features
+from toolchain.quantize.methods.registry import by_algo
+from toolchain.quantize.scheme import in_features
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
@@ -177,30 +177,11 @@ class _Exporter:
         b, w = self.b, self.w
         if f"{prefix}.weights_scaling_factor" not in w:
             return b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
+        method = by_algo(self.algo)
+        if method is None:
+            raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
         scale = w[f"{prefix}.weights_scaling_factor"].float()
-        codes = w[f"{prefix}.weight"]
-        if self.algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
-            sname = b.const(f"{prefix}.weights_scaling_factor", scale)
-            dq = b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq", axis=0)
-        elif self.algo == "FP8":
-            sname = b.const(f"{prefix}.weights_scaling_factor", scale.reshape(()))
-            dq = b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq")
-        elif self.algo in ("W4A16", "W4A16_AWQ"):
-            # the checkpoint pads K to whole groups with zero columns; ONNX's blocked DequantizeLinear takes a
-            # partial last block, so the codes go in cut to K and no Slice sits between the weight and its GEMM
-            k = in_features(self.cfg, prefix)
-            b._names.add(f"{prefix}.weight")
-            b.initializers.append(int4_proto(f"{prefix}.weight", unpack_int4(codes)[:, :k]))
-            sname = b.const(f"{prefix}.weights_scaling_factor", scale)
-            dq = b.op(
-                "DequantizeLinear",
-                [f"{prefix}.weight", sname],
-                f"{prefix}.weight_dq",
-                axis=1,
-                block_size=self.group_size,
-            )
-        else:
-            raise UserError(f"quant_algo {self.algo!r} has no ONNX export")
+        dq = method.export(b, prefix, w[f"{prefix}.weight"], scale, in_features(self.cfg, prefix), self.group_size)
         if b.onnx_dtype == TensorProto.FLOAT:
             return dq
         return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
@@ -210,8 +191,9 @@ class _Exporter:
         if f"{prefix}.prequant_scaling_factor" in w:
             pre = b.float_const(f"{prefix}.prequant_scaling_factor", w[f"{prefix}.prequant_scaling_factor"])
             x = b.op("Mul", [x, pre], f"{prefix}.input_prequant")
-        if f"{prefix}.activation_scaling_factor" in w and self.algo in ACTIVATION_KIND:
-            kind = ACTIVATION_KIND[self.algo]
+        method = by_algo(self.algo)
+        kind = method.activation_kind if method else None
+        if f"{prefix}.activation_scaling_factor" in w and kind:
             scale = b.float_const(
                 f"{prefix}.activation_scaling_factor", w[f"{prefix}.activation_scaling_factor"].reshape(())
             )

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from toolchain.errors import UserError
-from toolchain.quantize.fake import fake_quant
+from toolchain.quantize.core import fake_quant
 from toolchain.reference.model import Hooks, ReferenceModel
 
 SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's searches: bounded, whatever the calibration size

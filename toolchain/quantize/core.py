@@ -70,3 +70,11 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     low, high = raw & 0xF, raw >> 4
     codes = torch.stack([low, high], dim=1).reshape(-1, packed.shape[1])
     return torch.where(codes > 7, codes - 16, codes).to(torch.int8)
+
+
+def fake_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
+    """Quantize-dequantize `x` at a static per-tensor `scale`, as the engine's Q/DQ pair does: kind "FP8" (E4M3,
+    saturated) or "INT8" (round to nearest, clamped to [-128, 127])."""
+    if kind == "FP8":
+        return (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
+    return torch.round(x / scale).clamp(-128, 127) * scale  # INT8

@@ -9,16 +9,13 @@ from pathlib import Path
 
 import torch
 
-from toolchain.checkpoint.trtllm import load_rank, read_config
-from toolchain.quantize.core import FP8_E4M3_MAX
-from toolchain.quantize.scheme import ACTIVATION_KIND, KV_MAXBOUND, dequantize
+from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, read_config
+from toolchain.quantize.core import fake_quant
+from toolchain.quantize.methods.registry import by_algo, kv_by_algo
+from toolchain.quantize.scheme import dequantize
 from toolchain.reference.model import Hooks, ReferenceModel
 
-
-def fake_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:
-    if kind == "FP8":
-        return (x / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).to(x.dtype) * scale
-    return torch.round(x / scale).clamp(-128, 127) * scale  # INT8
+__all__ = ["FakeQuant", "fake_quant", "load_quantized"]
 
 
 class FakeQuant(Hooks):
@@ -51,10 +48,12 @@ class FakeQuant(Hooks):
 
 def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> ReferenceModel:
     cfg = read_config(directory)
+    method = by_algo(cfg.quantization.quant_algo, str(directory / CONFIG_NAME))
+    kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(directory / CONFIG_NAME))
     raw = load_rank(directory, 0)
     weights: dict[str, torch.Tensor] = {}
     activation: dict[str, float] = {}
-    kv: dict[str, float] = {}
+    kv_scales: dict[str, float] = {}
     prequant: dict[str, torch.Tensor] = {}
     for name, tensor in raw.items():
         if name.endswith(".weights_scaling_factor"):
@@ -63,13 +62,12 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
         elif name.endswith(".activation_scaling_factor"):
             activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
         elif name.endswith(".attention.kv_cache_scaling_factor"):
-            kv[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
+            kv_scales[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
         elif name.endswith(".prequant_scaling_factor"):
             prequant[name.removesuffix(".prequant_scaling_factor")] = tensor
         elif name.removesuffix(".weight") + ".weights_scaling_factor" not in raw:
             weights[name] = tensor
     model = ReferenceModel(cfg, weights, dtype)
-    kind = cfg.quantization.kv_cache_quant_algo
-    assert kind is None or kind in KV_MAXBOUND
-    model.hooks = FakeQuant(prequant, activation, ACTIVATION_KIND.get(cfg.quantization.quant_algo or ""), kv, kind)
+    activation_kind = method.activation_kind if method else None
+    model.hooks = FakeQuant(prequant, activation, activation_kind, kv_scales, kv.quant_algo if kv else None)
     return model

@@ -1,21 +1,8 @@
-"""Which modules a quantized checkpoint quantizes, and how their tensors are named, shaped and read back.
+"""Which modules a quantized checkpoint quantizes, and how their tensors are read back.
 
 Layout (TensorRT-LLM's, read from its sources in docs/research/trtllm-quantized-layouts.md; how the engine graph
-reads it: docs/engine.md), per quantized linear PREFIX:
-- W8A16: PREFIX.weight int8 [out, in]; PREFIX.weights_scaling_factor float32 [out] (per output channel).
-- W4A16: PREFIX.weight int8 [out/2, in'] — int4 codes packed two output rows per byte, row 2j in the low nibble —
-  and PREFIX.weights_scaling_factor float32 [out, in'/group]; in' = in rounded up to a multiple of the group, the
-  extra input channels zero (exact for any input, since they multiply zeros).
-- W4A16_AWQ: as W4A16, of the weight scaled per input channel by AWQ's s, plus PREFIX.prequant_scaling_factor
-  [in] = 1/s in the model dtype, which multiplies the input at run time.
-- W8A8_SQ_PER_CHANNEL (SmoothQuant): PREFIX.weight int8 [out, in] of the smoothed weight; weights_scaling_factor
-  float32 [out]; activation_scaling_factor float32 [1] (static, per tensor, of the smoothed input); and, for the
-  linears with no norm in front (attention.dense, mlp.proj), prequant_scaling_factor [in] = 1/s in the model dtype
-  — the others' 1/s is folded into their norm's weight (and bias).
-- FP8: PREFIX.weight float8_e4m3fn [out, in]; PREFIX.weights_scaling_factor and PREFIX.activation_scaling_factor
-  float32 [1].
-- KV cache (INT8 / FP8): LAYER.attention.kv_cache_scaling_factor float32 [1].
-Every scale is a dequantization factor: value = code * scale.
+reads it: docs/engine.md): each method's module under methods/ states its tensors (w8a16.py, w4a16.py,
+w4a16_awq.py, w8a8_sq.py, fp8.py, kv_cache.py). Every scale is a dequantization factor: value = code * scale.
 """
 
 from __future__ import annotations
@@ -26,19 +13,10 @@ from collections.abc import Collection
 import torch
 
 from toolchain.checkpoint.trtllm import ModelConfig
-from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, unpack_int4
+from toolchain.errors import UserError
+from toolchain.quantize.methods.registry import KV_CACHES, by_algo
 
-METHODS = {
-    "w8a16": "W8A16",
-    "w4a16": "W4A16",
-    "w4a16_awq": "W4A16_AWQ",
-    "w8a8_sq": "W8A8_SQ_PER_CHANNEL",
-    "fp8": "FP8",
-}
-# quant_algo -> how its activations are quantized at run time (static per-tensor scale), when they are
-ACTIVATION_KIND = {"W8A8_SQ_PER_CHANNEL": "INT8", "FP8": "FP8"}
-KV_CACHE = {"none": None, "int8": "INT8", "fp8": "FP8"}
-KV_MAXBOUND = {"INT8": 127.0, "FP8": FP8_E4M3_MAX}
+KV_MAXBOUND = {kv.quant_algo: kv.maxbound for kv in KV_CACHES.values() if kv is not None}
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_EXCLUDE = ("lm_head",)
 _LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
@@ -65,12 +43,8 @@ def in_features(cfg: ModelConfig, prefix: str) -> int:
 def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The float weight [out, in] a quantized PREFIX stores; a `prequant_scaling_factor`, when there is one, still
     multiplies the input (the engine applies it to the input before any activation quantization)."""
-    algo = cfg.quantization.quant_algo
-    codes, scale = weights[f"{prefix}.weight"], weights[f"{prefix}.weights_scaling_factor"].float()
-    if algo in ("W8A16", "W8A8_SQ_PER_CHANNEL"):
-        return codes.float() * scale[:, None]
-    if algo in ("W4A16", "W4A16_AWQ"):
-        return dequantize_groupwise(unpack_int4(codes), scale)[:, : in_features(cfg, prefix)]
-    if algo == "FP8":
-        return codes.float() * scale
-    raise AssertionError(f"unknown quant_algo {algo}")
+    method = by_algo(cfg.quantization.quant_algo)
+    if method is None:
+        raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
+    scale = weights[f"{prefix}.weights_scaling_factor"].float()
+    return method.dequantize(weights[f"{prefix}.weight"], scale, in_features(cfg, prefix))

@@ -25,8 +25,7 @@ import torch
 
 from toolchain.checkpoint.spec import LayerSpec
 from toolchain.quantize.calibrate import Calibration
-from toolchain.quantize.core import quantize_per_channel
-from toolchain.quantize.fake import fake_quant
+from toolchain.quantize.core import fake_quant, quantize_per_channel
 
 S_MIN = 1e-5  # the paper's reference code clamps both statistics to this before taking powers
 ALPHA_GRID = tuple(i / 20 for i in range(21))  # 0, 0.05, ..., 1: includes the default 0.5
