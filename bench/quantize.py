@@ -26,8 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.convert import timed, write_model  # noqa: E402
 from toolchain.checkpoint.tiny import byte_level_tokenizer  # noqa: E402
-
-METHODS = ("w8a16", "w4a16", "w4a16_awq", "w8a8_sq", "fp8")
+from toolchain.quantize.methods import METHOD_NAMES as METHODS  # noqa: E402
 
 
 def calibration_text(path: Path, words: int = 40_000) -> None:

@@ -29,7 +29,7 @@ def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) 
     base = ReferenceModel(cfg, weights, torch.float64)
     calib = calibrate(ReferenceModel(cfg, weights), ids)
     smoothed = {n: t.double() for n, t in weights.items()}
-    chosen = set(quantizable(weights))
+    chosen = set(quantizable(base.spec))
     prequant = {}
     for i in range(cfg.num_hidden_layers):
         scales, searched = smooth_layer(smoothed, base.spec.layers[i], calib, 0.5, chosen)

@@ -23,6 +23,7 @@ from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.checkpoint.trtllm import load_rank, read_config
+from toolchain.errors import UserError
 from toolchain.evaluate.text import tokenize
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
@@ -213,3 +214,19 @@ def test_smoothquant_folds_into_gemma3_pre_norms_only(gemma3_with_tokenizer: tup
         n.split(".", 3)[3] for n in before if "norm" in n and "layers" in n and not torch.equal(before[n], after[n])
     }
     assert changed == {"input_layernorm.weight", "pre_feedforward_layernorm.weight"}
+
+
+def test_a_tensor_the_spec_needs_and_the_checkpoint_lacks_is_one_line(cli: Any, tmp_path: Path) -> None:
+    """Biases come from the description, not from which tensors exist: a Qwen2 checkpoint missing a q/k/v bias is
+    refused by build (and the reference) instead of running without it."""
+    from safetensors.torch import save_file
+
+    convert(_hf(tmp_path, "qwen2-windows"), tmp_path / "ckpt")
+    weights = load_rank(tmp_path / "ckpt")
+    del weights["transformer.layers.1.attention.qkv.bias"]
+    save_file(weights, str(tmp_path / "ckpt" / "rank0.safetensors"), {"format": "pt"})
+    line = one_line_error(cli("build", tmp_path / "ckpt", "-o", tmp_path / "engine", "--backend", "onnxruntime"))
+    assert "transformer.layers.1.attention.qkv.bias missing" in line and "Qwen2ForCausalLM" in line
+    assert not (tmp_path / "engine").exists()
+    with pytest.raises(UserError, match=r"attention\.qkv\.bias missing"):
+        ReferenceModel.from_checkpoint(tmp_path / "ckpt")

@@ -13,6 +13,7 @@ are stems under its prefix (`input_layernorm`, ...).
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -122,6 +123,14 @@ class LayerSpec:
             (None, [f"{p}.mlp.proj"]),
         ]
 
+    def has_bias(self, linear: str) -> bool:
+        """Whether linear `linear` (a prefix of this layer) adds a bias."""
+        if linear.endswith(".attention.qkv"):
+            return self.qkv_bias
+        if linear.endswith(".attention.dense"):
+            return self.dense_bias
+        return self.mlp_bias
+
     def norms(self) -> list[Norm]:
         return [n for n in (self.attn_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_norm,
                             self.mlp_out_norm) if n is not None]  # fmt: skip
@@ -156,6 +165,31 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise UserError(f"{self.architecture}: {name} {value!r} must be a finite positive number")
+
+    def tensor_names(self) -> list[str]:
+        """Every tensor the description reads, by its checkpoint name (a quantized linear keeps PREFIX.weight for
+        its codes; its scales come on top)."""
+
+        def norm(n: Norm) -> list[str]:
+            return [f"{n.name}.weight", f"{n.name}.bias"] if n.has_bias else [f"{n.name}.weight"]
+
+        names = ["transformer.vocab_embedding.weight", *norm(self.final_norm), "lm_head.weight"]
+        if self.learned_positions:
+            names.append("transformer.position_embedding.weight")
+        for ls in self.layers:
+            names += [t for n in ls.norms() for t in norm(n)]
+            names += [f"{p}.{k}" for p in ls.linears() for k in ("weight", "bias") if k == "weight" or ls.has_bias(p)]
+        return names
+
+    def check_tensors(self, available: Collection[str], source: str) -> None:
+        """Refuse a checkpoint that lacks a tensor its config.json's model needs, naming it."""
+        missing = [n for n in self.tensor_names() if n not in available]
+        if missing:
+            more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+            raise UserError(
+                f"{source}: {missing[0]}{more} missing, which config.json's {self.architecture} needs (biases, "
+                "layers, norms); the weights and config.json do not match: re-run convert"
+            )
 
     def attn_scale(self, layer: LayerSpec) -> float:
         return self.head_size**-0.5 if layer.attn_scale is None else layer.attn_scale

@@ -29,6 +29,7 @@ from toolchain.engine.export import export_model, save_model
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
 from toolchain.manifest import StageRecord, package_version
+from toolchain.quantize.methods.registry import kv_by_algo
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 TRT_TOKENS_PER_BLOCK = (16, 32, 64)  # the CUDA plugin's block sizes (plugins/)
@@ -152,7 +153,7 @@ def build_engine(
             build_info = tensorrt_backend.build_plan(tmp / MODEL_NAME, tmp, limits, cfg.num_hidden_layers, kv_block)
         for path in tokenizer_paths:
             shutil.copyfile(path, tmp / path.name)
-        kv_algo = cfg.quantization.kv_cache_quant_algo
+        kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(checkpoint / "config.json"))
         config = {
             "contract_version": CONTRACT_VERSION,
             "backend": backend,
@@ -164,7 +165,7 @@ def build_engine(
             "quantization": asdict(cfg.quantization),
             "limits": {**asdict(limits), "max_blocks_per_seq": limits.max_blocks_per_seq},
             "kv_cache": {
-                "dtype": {"INT8": "int8", "FP8": "fp8"}.get(kv_algo or "", str(dtype).removeprefix("torch.")),
+                "dtype": kv.name if kv else str(dtype).removeprefix("torch."),
                 "block_shape": list(kv_block),
                 "pool_shape": [cfg.num_hidden_layers, limits.num_blocks, *kv_block],
             },

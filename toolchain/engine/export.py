@@ -24,7 +24,7 @@ from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cac
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
-from toolchain.quantize.methods.registry import by_algo
+from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import in_features
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
@@ -133,7 +133,8 @@ class _Exporter:
         q = cfg.quantization
         self.algo = q.quant_algo
         self.group_size = q.group_size
-        self.kv_dtype = {"INT8": "int8", "FP8": "fp8"}.get(q.kv_cache_quant_algo or "", _DTYPE_NAMES[dtype])
+        kv = kv_by_algo(q.kv_cache_quant_algo, f"{source}'s config.json")
+        self.kv_dtype = kv.name if kv else _DTYPE_NAMES[dtype]  # "int8" / "fp8": the KV cache quantization's name
         b = self.b
         self.eps = b.const("norm_epsilon", torch.tensor(cfg.norm_epsilon, dtype=torch.float32))
         self.last_axis = b.const("axis_last", torch.tensor([-1], dtype=torch.int64))
@@ -186,7 +187,7 @@ class _Exporter:
             return dq
         return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
 
-    def linear(self, x: str, prefix: str) -> str:
+    def linear(self, x: str, prefix: str, bias: bool = False) -> str:
         b, w = self.b, self.w
         if f"{prefix}.prequant_scaling_factor" in w:
             pre = b.float_const(f"{prefix}.prequant_scaling_factor", w[f"{prefix}.prequant_scaling_factor"])
@@ -200,7 +201,7 @@ class _Exporter:
             q = b.op("QuantizeLinear", [x, scale, self._zero_point(kind)], f"{prefix}.input_q")
             x = b.op("DequantizeLinear", [q, scale], f"{prefix}.input_dq")
         inputs = [x, self._weight(prefix)]
-        if f"{prefix}.bias" in w:
+        if bias:
             inputs.append(b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"]))
         return b.op("Gemm", inputs, f"{prefix}.out", transB=1)
 
@@ -263,7 +264,7 @@ class _Exporter:
         b, layer = self.b, ls.prefix
         q_dim = self.spec.num_heads * self.spec.head_size
         x = self.norm(h, ls.attn_norm, f"{ls.attn_norm.name}.out")
-        qkv = self.linear(x, f"{layer}.attention.qkv")
+        qkv = self.linear(x, f"{layer}.attention.qkv", ls.qkv_bias)
         if ls.q_norm is not None:
             qkv = self.qk_norm(qkv, ls)
         attrs = self.attention_attrs(ls)
@@ -290,15 +291,15 @@ class _Exporter:
         )
         for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
             b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
-        a = self.linear(f"{layer}.attention.out", f"{layer}.attention.dense")
+        a = self.linear(f"{layer}.attention.out", f"{layer}.attention.dense", ls.dense_bias)
         if ls.attn_out_norm is not None:
             a = self.norm(a, ls.attn_out_norm, f"{ls.attn_out_norm.name}.out")
         h = b.op("Add", [h, a], f"{layer}.attn_residual")
         x = self.norm(h, ls.mlp_norm, f"{ls.mlp_norm.name}.out")
-        m = self.activation(self.linear(x, f"{layer}.mlp.fc"), ls.activation, f"{layer}.mlp.act")
+        m = self.activation(self.linear(x, f"{layer}.mlp.fc", ls.mlp_bias), ls.activation, f"{layer}.mlp.act")
         if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-            m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate")], f"{layer}.mlp.gated")
-        m = self.linear(m, f"{layer}.mlp.proj")
+            m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ls.mlp_bias)], f"{layer}.mlp.gated")
+        m = self.linear(m, f"{layer}.mlp.proj", ls.mlp_bias)
         if ls.mlp_out_norm is not None:
             m = self.norm(m, ls.mlp_out_norm, f"{ls.mlp_out_norm.name}.out")
         return b.op("Add", [h, m], f"{layer}.mlp_residual")
@@ -371,6 +372,7 @@ def export_model(
     if dtype not in _DTYPE_NAMES:
         raise UserError(f"engine dtype {dtype} not supported; choose float32, float16 or bfloat16")
     check_family_fields(cfg)
+    spec_of(cfg).check_tensors(weights, source)  # a tensor the model needs and the checkpoint lacks: one line
     return _Exporter(cfg, weights, dtype, tokens_per_block, source).graph()
 
 

@@ -173,22 +173,21 @@ def evaluate_engine(
     }
 
 
-GROUPWISE = ("W4A16", "W4A16_AWQ")  # quant_algos whose weight scales are per group (the others: per channel/tensor)
-
-
 def built(engine_dir: Path) -> dict[str, Any]:
     """What the engine is, from its build_config.json and manifest: method, group size, KV cache dtype, backend,
     the manifest's sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
     from toolchain.engine.build import read_build_config
+    from toolchain.quantize.methods.registry import by_algo
 
     config = read_build_config(engine_dir)
     algo = config["quantization"].get("quant_algo")
+    grouped = by_algo(algo, str(engine_dir / "build_config.json")) if algo else None
     compat = config.get("compatibility") or {}
     has_manifest = (engine_dir / MANIFEST_NAME).is_file()
     tool = read_manifest(engine_dir).get("toolchain", {}) if has_manifest else {}
     return {
         "method": algo,  # None: unquantized
-        "group_size": config["quantization"].get("group_size") if algo in GROUPWISE else None,
+        "group_size": config["quantization"].get("group_size") if grouped and grouped.grouped else None,
         "kv_cache": config["kv_cache"]["dtype"],
         "dtype": config["dtype"],
         "backend": config["backend"],

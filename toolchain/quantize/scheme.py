@@ -8,10 +8,10 @@ w4a16_awq.py, w8a8_sq.py, fp8.py, kv_cache.py). Every scale is a dequantization 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Collection
 
 import torch
 
+from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 from toolchain.quantize.methods.registry import KV_CACHES, by_algo
@@ -19,13 +19,12 @@ from toolchain.quantize.methods.registry import KV_CACHES, by_algo
 KV_MAXBOUND = {kv.quant_algo: kv.maxbound for kv in KV_CACHES.values() if kv is not None}
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_EXCLUDE = ("lm_head",)
-_LINEARS = ("attention.qkv", "attention.dense", "mlp.fc", "mlp.gate", "mlp.proj")
 
 
-def quantizable(weights: Collection[str]) -> list[str]:
-    """Linear-layer prefixes that may be quantized, from the tensor names: every layer's linears, and lm_head."""
-    prefixes = [n.removesuffix(".weight") for n in weights if n.endswith(tuple(f"{m}.weight" for m in _LINEARS))]
-    return sorted(prefixes) + (["lm_head"] if "lm_head.weight" in weights else [])
+def quantizable(spec: ModelSpec) -> list[str]:
+    """Linear-layer prefixes that may be quantized, from the model description: every layer's linears, and
+    lm_head."""
+    return [*sorted(p for layer in spec.layers for p in layer.linears()), "lm_head"]
 
 
 def excluded(prefix: str, patterns: tuple[str, ...]) -> bool:

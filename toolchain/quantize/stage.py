@@ -29,6 +29,7 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import return_freed_memory
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
+from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import (
     CONFIG_NAME,
     ModelConfig,
@@ -251,7 +252,10 @@ def quantize_checkpoint(
     if not rank_path.is_file():
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
-    linears = quantizable(header)
+    linears = quantizable(spec_of(cfg))
+    missing = sorted(p for p in linears if f"{p}.weight" not in header)
+    if missing:
+        raise UserError(f"{rank_path}: {missing[0]}.weight missing; config.json's model needs it (re-run convert)")
     chosen = [p for p in linears if not excluded(p, opts.exclude)]
     windows, calib_info = _windows(source, opts) if opts.needs_calibration else (None, {})
     out, calib, choices = _quantize_layerwise(source, cfg, opts, set(chosen), windows)

@@ -54,6 +54,7 @@ class ReferenceModel:
         self.w = {name: t.to(dtype) for name, t in weights.items()}
         self.hooks = Hooks()
         self.spec = spec_of(config)
+        self.row_biases = True  # the row-parallel linears' (dense, proj) biases; a TP shard leaves them to the sum
         self._rope_cache: dict[tuple[float, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
@@ -61,14 +62,17 @@ class ReferenceModel:
         """The whole model; a multi-rank (TP/PP) checkpoint is merged back first."""
         config = read_config(directory)
         if config.mapping.world_size == 1:
-            return cls(config, load_rank(directory, 0), dtype)
-        from toolchain.reference.parallel import merge_ranks  # parallel builds on this module
+            weights = load_rank(directory, 0)
+        else:
+            from toolchain.reference.parallel import merge_ranks  # parallel builds on this module
 
-        return cls(config, merge_ranks(directory), dtype)
+            weights = merge_ranks(directory)
+        spec_of(config).check_tensors(weights, str(directory / "rank0.safetensors"))
+        return cls(config, weights, dtype)
 
-    def _linear(self, x: torch.Tensor, prefix: str) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, prefix: str, bias: bool = False) -> torch.Tensor:
         x = self.hooks.linear_input(prefix, x)
-        return F.linear(x, self.w[f"{prefix}.weight"], self.w.get(f"{prefix}.bias"))
+        return F.linear(x, self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"] if bias else None)
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         weight = self.w[f"{norm.name}.weight"]
@@ -106,7 +110,7 @@ class ReferenceModel:
         b, t, _ = x.shape
         layer = ls.prefix
         q_dim, kv_dim = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
-        q, k, v = torch.split(self._linear(x, f"{layer}.attention.qkv"), [q_dim, kv_dim, kv_dim], dim=-1)
+        q, k, v = torch.split(self._linear(x, f"{layer}.attention.qkv", ls.qkv_bias), [q_dim, kv_dim, kv_dim], dim=-1)
         q = self._heads(q, c.num_heads, ls.q_norm)
         k = self._heads(k, c.num_kv_heads, ls.k_norm)
         v = v.view(b, t, c.num_kv_heads, c.head_size).transpose(1, 2)
@@ -121,14 +125,14 @@ class ReferenceModel:
         scores = scores / c.head_size**0.5 if ls.attn_scale is None else scores * ls.attn_scale
         probs = scores.masked_fill(~self._mask(positions, ls.window), float("-inf")).softmax(dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, q_dim)
-        return self._linear(out, f"{layer}.attention.dense")
+        return self._linear(out, f"{layer}.attention.dense", ls.dense_bias and self.row_biases)
 
     def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
         layer = ls.prefix
-        h = ACTIVATIONS[ls.activation](self._linear(x, f"{layer}.mlp.fc"))
+        h = ACTIVATIONS[ls.activation](self._linear(x, f"{layer}.mlp.fc", ls.mlp_bias))
         if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-            h = h * self._linear(x, f"{layer}.mlp.gate")
-        return self._linear(h, f"{layer}.mlp.proj")
+            h = h * self._linear(x, f"{layer}.mlp.gate", ls.mlp_bias)
+        return self._linear(h, f"{layer}.mlp.proj", ls.mlp_bias and self.row_biases)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (plus learned position embeddings), before the spec's embedding scale."""

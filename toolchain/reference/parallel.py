@@ -71,6 +71,8 @@ class TensorParallelModel(ReferenceModel):
         self.shards = [
             ReferenceModel(local, {k: v for k, v in w.items() if not k.endswith(_ROW_BIASES)}, dtype) for w in ranks
         ]
+        for shard in self.shards:
+            shard.row_biases = False
 
     def _sum(self, parts: list[torch.Tensor], bias: str) -> torch.Tensor:
         """Row-parallel partial outputs summed (the all-reduce), the bias added once."""

@@ -72,6 +72,7 @@ class QuantMethod:
     pre_quant_scale: ClassVar[bool] = False  # config.json's pre_quant_scale: linears may carry 1/s for the input
     details_key: ClassVar[str | None] = None  # the manifest key of `prepare`'s per-linear choices (their summary())
     uses_sq_alpha: ClassVar[bool] = False  # reads Context.sq_alpha (the manifest records it)
+    grouped: ClassVar[bool] = False  # weight scales per group of input channels (config.json's group_size applies)
 
     def __init__(self, name: str) -> None:
         self.name = name  # `--method`, a recipe's `quantize.method` (methods/__init__.py)

@@ -22,6 +22,8 @@ from toolchain.quantize.methods.base import Context, GraphBuilder, QuantMethod, 
 class GroupwiseInt4(QuantMethod):
     """The int4 group-wise layout W4A16 and W4A16_AWQ share."""
 
+    grouped = True
+
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         out_dim, in_dim = shape
         _check_even(prefix, out_dim)
