@@ -167,20 +167,12 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             activation=cfg.hidden_act,
         )
 
-    return ModelSpec(
-        architecture=cfg.architecture,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_size=cfg.head_size,
-        intermediate_size=cfg.intermediate_size,
-        max_positions=cfg.max_position_embeddings,
-        final_norm=Norm("transformer.ln_f", eps=eps),
-        layers=tuple(layer(i) for i in range(cfg.num_hidden_layers)),
+    return ModelSpec.of(
+        cfg,
+        Norm("transformer.ln_f", eps=eps),
+        tuple(layer(i) for i in range(cfg.num_hidden_layers)),
         embedding_scale=cfg.hidden_size**0.5,
         final_logit_softcap=_field(cfg, "final_logit_softcapping", optional=True),
-        tie_word_embeddings=cfg.tie_word_embeddings,
     )
 
 

@@ -92,20 +92,7 @@ def spec(cfg: ModelConfig) -> ModelSpec:
         )
         for i in range(cfg.num_hidden_layers)
     )
-    return ModelSpec(
-        architecture=cfg.architecture,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_size=cfg.head_size,
-        intermediate_size=cfg.intermediate_size,
-        max_positions=cfg.max_position_embeddings,
-        final_norm=Norm("transformer.ln_f", "layer", eps),
-        layers=layers,
-        learned_positions=True,
-        tie_word_embeddings=cfg.tie_word_embeddings,
-    )
+    return ModelSpec.of(cfg, Norm("transformer.ln_f", "layer", eps), layers, learned_positions=True)
 
 
 def _prefix(available: set[str]) -> str:

@@ -189,19 +189,7 @@ def llama_style_spec(cfg: ModelConfig, dense_bias: bool | None = None) -> ModelS
             mlp_bias=cfg.mlp_bias,
         )
 
-    return ModelSpec(
-        architecture=cfg.architecture,
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_heads=cfg.num_attention_heads,
-        num_kv_heads=cfg.num_key_value_heads,
-        head_size=cfg.head_size,
-        intermediate_size=cfg.intermediate_size,
-        max_positions=cfg.max_position_embeddings,
-        final_norm=Norm("transformer.ln_f", eps=eps),
-        layers=tuple(layer(i) for i in range(cfg.num_hidden_layers)),
-        tie_word_embeddings=cfg.tie_word_embeddings,
-    )
+    return ModelSpec.of(cfg, Norm("transformer.ln_f", eps=eps), tuple(layer(i) for i in range(cfg.num_hidden_layers)))
 
 
 def _lm_head_source(cfg: ModelConfig, available: set[str]) -> str:

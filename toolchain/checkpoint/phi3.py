@@ -21,6 +21,7 @@ from typing import Any
 
 from toolchain.checkpoint.hf_fields import positive_float, positive_int
 from toolchain.checkpoint.llama import DROPPED, LayerRow, build_table, llama_style_config, spec
+from toolchain.checkpoint.llama import source_shapes as llama_shapes
 from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
@@ -91,17 +92,11 @@ def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
 
 
 def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, Shape]:
-    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv = cfg.num_attention_heads * cfg.head_size, cfg.num_key_value_heads * cfg.head_size
-    per_layer: dict[str, Shape] = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.qkv_proj.weight": (q + 2 * kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_up_proj.weight": (2 * i, h),
-        "mlp.down_proj.weight": (h, i),
-    }
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    """Llama's, plus the two fused tensors (entries no rule reads are never checked)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_size
+    shapes = llama_shapes(cfg, available)
     for layer in range(cfg.num_hidden_layers):
-        shapes.update({f"model.layers.{layer}.{k}": s for k, s in per_layer.items()})
+        shapes[f"model.layers.{layer}.self_attn.qkv_proj.weight"] = (qkv, h)
+        shapes[f"model.layers.{layer}.mlp.gate_up_proj.weight"] = (2 * i, h)
     return shapes

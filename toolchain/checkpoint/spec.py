@@ -17,6 +17,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
 NORMS = ("rms", "layer")
@@ -165,6 +166,25 @@ class ModelSpec:
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value <= 0):
                 raise UserError(f"{self.architecture}: {name} {value!r} must be a finite positive number")
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, final_norm: Norm, layers: tuple[LayerSpec, ...], **model: Any) -> ModelSpec:
+        """A family's spec: sizes and tied embeddings from `cfg`, the rest from the family (`model`: the
+        ModelSpec fields it sets, e.g. embedding_scale)."""
+        return cls(
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_size=cfg.head_size,
+            intermediate_size=cfg.intermediate_size,
+            max_positions=cfg.max_position_embeddings,
+            final_norm=final_norm,
+            layers=layers,
+            tie_word_embeddings=cfg.tie_word_embeddings,
+            **model,
+        )
 
     def tensor_names(self) -> list[str]:
         """Every tensor the description reads, by its checkpoint name (a quantized linear keeps PREFIX.weight for
