@@ -15,7 +15,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	# peers: NVIDIA ModelOpt, so the ModelOpt interop test runs here and in CI (+10 s install, ~70 s of tests)
+	$(BIN)/pip install --quiet -e '.[dev,peers]'
 	# tensorrt-stubs depends on `tensorrt`, whose package needs NVIDIA's index: install the stubs alone.
 	$(BIN)/pip install --quiet --no-deps 'tensorrt-stubs>=10.13,<11'
 	# The stubs ship as plain `tensorrt/*.pyi` without py.typed, which mypy reads only from its mypy_path; a few

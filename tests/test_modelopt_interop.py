@@ -2,7 +2,8 @@
 
 The layout rules run without ModelOpt (a checkpoint of ours rewritten the way ModelOpt writes it); the end-to-end
 test runs tests/modelopt_export.py with a python that has ModelOpt (TRTBUILD_MODELOPT_PYTHON, else the venv
-`~/.cache/trtbuild-peers/venvs/modelopt`, else this interpreter) and skips, saying so, where none has it.
+`~/.cache/trtbuild-peers/venvs/modelopt`, else this interpreter, which `make setup` gives ModelOpt) and skips, saying
+so, where none has it.
 """
 
 from __future__ import annotations
