@@ -24,8 +24,8 @@ from toolchain.checkpoint.trtllm import load_rank, read_config  # noqa: E402
 from toolchain.evaluate.quality import compare  # noqa: E402
 from toolchain.evaluate.text import tokenize  # noqa: E402
 from toolchain.quantize.calibrate import KV_CLIP, sample_windows  # noqa: E402
-from toolchain.quantize.fake import fake_quant  # noqa: E402
-from toolchain.quantize.scheme import KV_MAXBOUND  # noqa: E402
+from toolchain.quantize.core import fake_quant  # noqa: E402
+from toolchain.quantize.methods.registry import kv_by_algo  # noqa: E402
 from toolchain.reference.model import Hooks, ReferenceModel  # noqa: E402
 from toolchain.reference.rope import apply_rotary  # noqa: E402
 
@@ -73,6 +73,13 @@ def record(model: ReferenceModel, windows: torch.Tensor) -> tuple[dict, dict, di
     return cat(queries), cat(rec.k), cat(rec.v)
 
 
+def maxbound(kind: str) -> float:
+    """The KV cache quantization's largest code (INT8: 127, FP8: 448), from the registry."""
+    kv = kv_by_algo(kind)
+    assert kv is not None, kind
+    return kv.maxbound
+
+
 def attention_error(c, q, k, v, ks, vs, kind) -> float:  # type: ignore[no-untyped-def]
     group = c.num_attention_heads // c.num_key_value_heads
     mask = torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
@@ -87,7 +94,7 @@ def attention_error(c, q, k, v, ks, vs, kind) -> float:  # type: ignore[no-untyp
 
 def statistics(c, q, k, v, kind) -> dict[str, Callable[[str], tuple[float, float]]]:  # type: ignore[no-untyped-def]
     """name -> layer -> (k amax, v amax) the scales are made of (amax / maxbound)."""
-    top = KV_MAXBOUND[kind]
+    top = maxbound(kind)
     amax = lambda t: t.abs().max().item()  # noqa: E731
     pct = lambda t, p: torch.quantile(t.abs().flatten()[::4], p).item()  # noqa: E731
 
@@ -143,7 +150,7 @@ def main() -> None:
     for kind in ("INT8", "FP8"):
         for name, stat in statistics(cfg, q, k, v, kind).items():
             peaks = {layer: stat(layer) for layer in k}
-            top = KV_MAXBOUND[kind]
+            top = maxbound(kind)
             quantized = ReferenceModel(cfg, weights)
             quantized.hooks = KvQuant(
                 {n: p[0] / top for n, p in peaks.items()}, {n: p[1] / top for n, p in peaks.items()}, kind

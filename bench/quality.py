@@ -77,8 +77,8 @@ def main() -> None:
             r = quantize_checkpoint(ckpt, out, opts, eval_data=args.eval_data, eval_tokens=args.eval_tokens)
             rows.append(
                 {
-                    "method": f"{method} (α {alpha})" if method == "w8a8_sq" else method,
-                    "group": group if method.startswith("w4a16") else None,
+                    "method": f"{method} (α {alpha})" if opts.quant_method.uses_sq_alpha else method,
+                    "group": group if opts.quant_method.grouped else None,
                     "kv_cache": kv,
                     "seconds": time.perf_counter() - start,
                     **r["quality"],

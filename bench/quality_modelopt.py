@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the worker runs in ModelOpt's python, where only this checkout has toolchain
+
+from toolchain.quantize.methods import KV_CACHE_NAMES  # noqa: E402  torch-free: the worker imports it too
+
 PEER_VENV = Path.home() / ".cache" / "trtbuild-peers" / "venvs" / "modelopt" / "bin" / "python"
 
 # trtbuild method -> ModelOpt's config of the same scheme (modelopt.torch.quantization), used as ModelOpt ships it
@@ -291,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", nargs=2, type=Path, metavar=("HF_DIR", "WORK"), required=True)
     ap.add_argument("--method", choices=sorted(MODELOPT_CONFIGS), required=True)
     ap.add_argument("--group-size", type=int, default=128)
-    ap.add_argument("--kv-cache", choices=("none", "int8", "fp8"), default="none")
+    ap.add_argument("--kv-cache", choices=KV_CACHE_NAMES, default="none")
     args = ap.parse_args(argv)
     worker(args.worker[0], args.worker[1], Spec(args.method, args.group_size, args.kv_cache))
     return 0

@@ -23,8 +23,8 @@ from toolchain.engine.api import Engine as OrtEngine
 from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.engine.contract import Batch
-from toolchain.quantize.core import FP8_E4M3_MAX
-from toolchain.quantize.fake import fake_quant, load_quantized
+from toolchain.quantize.core import FP8_E4M3_MAX, fake_quant
+from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
 TPB = 4  # small blocks so that short test sequences span several, with partial last blocks

@@ -9,13 +9,13 @@ from toolchain.quantize.calibrate import KV_CLIP, Calibration, kv_cache_clip
 from toolchain.quantize.core import (
     FP8_E4M3_MAX,
     dequantize_groupwise,
+    fake_quant,
     pack_int4,
     quantize_fp8,
     quantize_groupwise,
     quantize_per_channel,
     unpack_int4,
 )
-from toolchain.quantize.fake import fake_quant
 
 
 def weights(out: int = 16, inp: int = 64, seed: int = 0) -> torch.Tensor:

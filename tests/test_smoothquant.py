@@ -13,7 +13,7 @@ from test_quantize import WIKI
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.trtllm import load_rank, read_config
-from toolchain.quantize.calibrate import calibrate
+from toolchain.quantize.calibrate import LayerwiseCalibration
 from toolchain.quantize.fake import FakeQuant
 from toolchain.quantize.scheme import quantizable
 from toolchain.quantize.smoothquant import smooth_layer, smoothing_scales
@@ -27,7 +27,10 @@ def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) 
     cfg, weights = read_config(tmp_path / "ckpt"), load_rank(tmp_path / "ckpt", 0)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     base = ReferenceModel(cfg, weights, torch.float64)
-    calib = calibrate(ReferenceModel(cfg, weights), ids)
+    run = LayerwiseCalibration(ReferenceModel(cfg, weights), ids)
+    for i in range(cfg.num_hidden_layers):
+        run.layer(i)
+    calib = run.finish()
     smoothed = {n: t.double() for n, t in weights.items()}
     chosen = set(quantizable(base.spec))
     prequant = {}

@@ -230,3 +230,55 @@ def test_a_tensor_the_spec_needs_and_the_checkpoint_lacks_is_one_line(cli: Any, 
     assert not (tmp_path / "engine").exists()
     with pytest.raises(UserError, match=r"attention\.qkv\.bias missing"):
         ReferenceModel.from_checkpoint(tmp_path / "ckpt")
+
+
+def test_gemma3_windows_from_trtllm_pattern_alone(cli: Any, tmp_path: Path) -> None:
+    """A Gemma 3 checkpoint written by TensorRT-LLM or ModelOpt says which layers slide with
+    `_sliding_window_pattern` only; without it and without layer_types, build refuses instead of sliding every
+    layer; a sliding layer with a null window is refused too."""
+    convert(_hf(tmp_path, "gemma3"), tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    del config["layer_types"]
+    path.write_text(json.dumps(config))
+    assert spec_of(read_config(tmp_path / "ckpt")).windows == [6, 6, 6, 6, 6, None, 6]
+    del config["_sliding_window_pattern"]
+    path.write_text(json.dumps(config))
+    line = one_line_error(cli("build", tmp_path / "ckpt", "-o", tmp_path / "e1", "--backend", "onnxruntime"))
+    assert str(path) in line and "_sliding_window_pattern" in line
+    config.update(layer_types=["sliding_attention"] * 7, sliding_window=None)
+    path.write_text(json.dumps(config))
+    line = one_line_error(cli("build", tmp_path / "ckpt", "-o", tmp_path / "e2", "--backend", "onnxruntime"))
+    assert str(path) in line and "'sliding_window' is null" in line
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        ({"attention_bias": True}, ["attention_bias=true"]),
+        ({"rope_parameters": "x"}, ["'rope_parameters' must be an object per layer type"]),
+        ({"rope_parameters": {"rope_theta": 5.0}}, ["'rope_parameters' must be an object per layer type"]),
+    ],
+)
+def test_gemma3_more_refusals(edit: dict[str, Any], words: list[str], cli: Any, tmp_path: Path) -> None:
+    hf = _hf(tmp_path, "gemma3")
+    path = hf / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
+    line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
+    assert all(w in line for w in words), line
+
+
+def test_gemma3_decode_past_the_window_matches_the_full_sequence(tmp_path: Path) -> None:
+    """Token by token after a prefill, well past the window of 6: the paged cache serves the sliding and the global
+    layers what a single full forward computes."""
+    from toolchain.engine.contract import Batch
+
+    convert(_hf(tmp_path, "gemma3"), tmp_path / "ckpt")
+    engine = build(tmp_path / "ckpt", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (26,), generator=torch.Generator().manual_seed(8)).tolist()
+    full = run_alone(engine, ids)
+    pool, blocks = engine.new_kv_cache(16), [9, 3, 14, 0, 7, 11, 2]
+    got = [engine.forward(Batch.from_sequences([ids[:5]], [0], [blocks], all_logits=True), pool)]
+    for p in range(5, len(ids)):
+        got.append(engine.forward(Batch.from_sequences([[ids[p]]], [p], [blocks]), pool))
+    np.testing.assert_allclose(np.concatenate(got), full, rtol=0, atol=1e-4)

@@ -59,7 +59,14 @@ _NORM_OFFSET = 1.0  # Gemma's RMSNorm weight is 1 + w
 def _rope_bases(hf: dict[str, Any], source: str) -> tuple[dict[str, Any], float]:
     """(the global layers' rope parameters in transformers-5 form, the sliding layers' base)."""
     params = hf.get("rope_parameters")
-    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+    if params is not None and not (
+        isinstance(params, dict) and set(params) and set(params) <= {"full_attention", "sliding_attention"}
+    ):
+        raise UserError(
+            f"{source}: 'rope_parameters' must be an object per layer type, "
+            f'{{"full_attention": {{...}}, "sliding_attention": {{...}}}}, got {params!r}'
+        )
+    if params is not None:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
         if not isinstance(full, dict) or not isinstance(local, dict):
             raise UserError(f"{source}: 'rope_parameters' per layer type must be objects, got {params!r}")
@@ -104,6 +111,8 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
             f"{source}: attn_logit_softcapping {hf['attn_logit_softcapping']!r} is not supported (Gemma 3 has none); "
             "set it to null"
         )
+    if boolean(hf, "attention_bias", source):  # transformers would add q, k, v and o biases; no Gemma 3 has them
+        raise UserError(f"{source}: attention_bias=true is not supported for Gemma 3; set it to false")
     if boolean(hf, "use_bidirectional_attention", source):
         raise UserError(f"{source}: use_bidirectional_attention=true is not supported (causal attention only)")
     layers = positive_int(hf, "num_hidden_layers", source)
@@ -121,6 +130,8 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         family["_sliding_window_pattern"] = pattern
     clean = {k: v for k, v in hf.items() if k not in ("rope_scaling", "rope_theta", "hidden_act", "hidden_activation")}
     clean["rope_parameters"] = full_rope  # llama_style_config reads the global rope from it
+    for key, default in (("head_dim", 256), ("max_position_embeddings", 131_072)):  # Gemma3TextConfig's defaults
+        clean.setdefault(key, default)
     return llama_style_config(
         clean,
         dtype,
@@ -139,16 +150,34 @@ def _field(cfg: ModelConfig, name: str, optional: bool = False) -> float | None:
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise UserError(f"config.json: '{name}' must be a finite positive number for {ARCHITECTURE}, got {value!r}")
+        raise UserError(f"'{name}' must be a finite positive number for {ARCHITECTURE}, got {value!r}")
     return float(value)
+
+
+def _types(cfg: ModelConfig) -> list[str]:
+    """Which layers slide: our `layer_types`, else TensorRT-LLM's `_sliding_window_pattern` (a checkpoint written by
+    TensorRT-LLM or ModelOpt has only that)."""
+    n, types = cfg.num_hidden_layers, cfg.family_fields.get("layer_types")
+    if types is not None:
+        return check_layer_types(types, n, None)
+    pattern = cfg.family_fields.get("_sliding_window_pattern")
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise UserError(
+            f"{ARCHITECTURE} needs 'layer_types' or '_sliding_window_pattern' (a positive integer) to know which "
+            f"layers slide, got {pattern!r}; re-run convert"
+        )
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(n)]
 
 
 def spec(cfg: ModelConfig) -> ModelSpec:
     eps = cfg.norm_epsilon
-    windows = windows_of(cfg)
+    types = _types(cfg)
+    windows = windows_of(cfg, types)
     scale = _field(cfg, "query_pre_attn_scalar")
     assert scale is not None
-    local = Rope(_field(cfg, "rope_local_base_freq") or 10_000.0)
+    local_base = _field(cfg, "rope_local_base_freq")
+    assert local_base is not None
+    local = Rope(local_base)
     full = Rope(cfg.rotary_base, cfg.rotary_scaling)
 
     def layer(i: int) -> LayerSpec:
@@ -161,7 +190,7 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             mlp_out_norm=Norm(f"{p}.post_feedforward_layernorm", eps=eps),
             q_norm=Norm(f"{p}.attention.q_layernorm", eps=eps),
             k_norm=Norm(f"{p}.attention.k_layernorm", eps=eps),
-            rope=local if windows[i] is not None else full,
+            rope=local if types[i] == "sliding_attention" else full,
             window=windows[i],
             attn_scale=scale**-0.5,
             activation=cfg.hidden_act,

@@ -93,31 +93,35 @@ def layer_windows(hf: dict[str, Any], source: str) -> dict[str, Any]:
     if not boolean(hf, "use_sliding_window", source):
         return {}
     layers = positive_int(hf, "num_hidden_layers", source)
-    window = positive_int(hf, "sliding_window", source)
+    window = positive_int(hf, "sliding_window", source, 4096)  # transformers' Qwen2Config / Qwen3Config defaults
     types = hf.get("layer_types")
     if types is None:
-        first = hf.get("max_window_layers", layers)
+        first = hf.get("max_window_layers", 28)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise UserError(f"{source}: 'max_window_layers' must be a non-negative integer, got {first!r}")
         types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
     return {"sliding_window": window, "family_fields": {"layer_types": check_layer_types(types, layers, source)}}
 
 
-def check_layer_types(types: Any, layers: int, source: str) -> list[str]:
+def check_layer_types(types: Any, layers: int, source: str | None) -> list[str]:
+    """`source` names the file in the message (None: the caller prefixes it, as spec_of does)."""
     if not isinstance(types, list) or len(types) != layers or any(t not in LAYER_TYPES for t in types):
+        where = f"{source}: " if source else ""
         raise UserError(
-            f"{source}: 'layer_types' must list {layers} entries, each one of {', '.join(LAYER_TYPES)}; got {types!r}"
+            f"{where}'layer_types' must list {layers} entries, each one of {', '.join(LAYER_TYPES)}; got {types!r}"
         )
     return list(types)
 
 
-def windows_of(cfg: ModelConfig) -> list[int | None]:
-    """Each layer's attention window: `sliding_window` on the layers `layer_types` marks sliding (every layer
-    when there is no `layer_types`: Mistral)."""
-    types = cfg.family_fields.get("layer_types")
+def windows_of(cfg: ModelConfig, types: list[str] | None = None) -> list[int | None]:
+    """Each layer's attention window: `sliding_window` on the layers `types` (default: config.json's `layer_types`)
+    marks sliding, or on every layer when there is no such list (Mistral, Phi-3)."""
+    types = cfg.family_fields.get("layer_types") if types is None else types
     if types is None:
         return [cfg.sliding_window] * cfg.num_hidden_layers
-    types = check_layer_types(types, cfg.num_hidden_layers, "config.json")
+    types = check_layer_types(types, cfg.num_hidden_layers, None)
+    if cfg.sliding_window is None and "sliding_attention" in types:
+        raise UserError("'layer_types' marks sliding layers but 'sliding_window' is null; set the window")
     return [cfg.sliding_window if t == "sliding_attention" else None for t in types]
 
 

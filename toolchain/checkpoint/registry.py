@@ -64,8 +64,7 @@ def family_of_config(cfg: ModelConfig) -> Family:
     """The family of a checkpoint config (its `architecture`, the HF name it was converted from)."""
     if cfg.architecture not in _FAMILIES:
         raise UserError(
-            f"config.json: architecture {cfg.architecture!r} is not supported; supported: "
-            f"{', '.join(supported_architectures())}"
+            f"architecture {cfg.architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
         )
     module: Family = importlib.import_module(_FAMILIES[cfg.architecture])
     return module

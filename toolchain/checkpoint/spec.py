@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from toolchain.checkpoint.trtllm import ModelConfig
@@ -40,7 +40,7 @@ class Norm:
         if self.kind not in NORMS:
             raise UserError(f"norm {self.name}: kind {self.kind!r} is not one of {', '.join(NORMS)}")
         if not math.isfinite(self.eps) or self.eps <= 0:
-            raise UserError(f"norm {self.name}: epsilon {self.eps!r} must be a finite positive number")
+            raise UserError(f"'norm_epsilon' {self.eps!r} must be a finite positive number (norm {self.name})")
 
     @property
     def has_bias(self) -> bool:
@@ -56,10 +56,12 @@ class Rope:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.base) or self.base <= 1:
-            raise UserError(f"rotary base {self.base!r} must be a finite number above 1")
+            raise UserError(
+                f"rotary base {self.base!r} ('rotary_base' or the family's) must be a finite number above 1"
+            )
         kind = (self.scaling or {}).get("rope_type", (self.scaling or {}).get("type"))
         if self.scaling is not None and kind not in ROPE_SCALINGS:
-            raise UserError(f"rotary scaling {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
+            raise UserError(f"'rotary_scaling' type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,10 @@ class LayerSpec:
             (None, [f"{p}.mlp.proj"]),
         ]
 
+    def input_groups(self) -> list[list[str]]:
+        """The linears that read one input, a group each: [qkv], [fc, gate] (or [fc]), [dense], [proj]."""
+        return [linears for _, linears in self.smoothing_groups()]
+
     def has_bias(self, linear: str) -> bool:
         """Whether linear `linear` (a prefix of this layer) adds a bias."""
         if linear.endswith(".attention.qkv"):
@@ -139,6 +145,9 @@ class LayerSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """The whole model: embedding (optionally scaled; learned positions or rotary in every layer), the layers, the
+    final norm and lm_head (optionally soft-capped logits). Sizes are the checkpoint's (a TP shard's are its own)."""
+
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -146,14 +155,11 @@ class ModelSpec:
     num_kv_heads: int
     head_size: int
     intermediate_size: int
-    max_positions: int
     final_norm: Norm
     layers: tuple[LayerSpec, ...]
     learned_positions: bool = False
     embedding_scale: float | None = None  # the embedding lookup is multiplied by it (Gemma: sqrt(hidden))
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
-    tie_word_embeddings: bool = False
-    notes: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.layers:
@@ -179,10 +185,8 @@ class ModelSpec:
             num_kv_heads=cfg.num_key_value_heads,
             head_size=cfg.head_size,
             intermediate_size=cfg.intermediate_size,
-            max_positions=cfg.max_position_embeddings,
             final_norm=final_norm,
             layers=layers,
-            tie_word_embeddings=cfg.tie_word_embeddings,
             **model,
         )
 
@@ -211,16 +215,36 @@ class ModelSpec:
                 "layers, norms); the weights and config.json do not match: re-run convert"
             )
 
-    def attn_scale(self, layer: LayerSpec) -> float:
-        return self.head_size**-0.5 if layer.attn_scale is None else layer.attn_scale
+    def q_scaling(self, layer: LayerSpec) -> float:
+        """The attention plugin's field: scores = q·k / (sqrt(head_size) · q_scaling); exactly 1.0 by default."""
+        return 1.0 if layer.attn_scale is None else 1 / (layer.attn_scale * self.head_size**0.5)
+
+    def in_features(self, linear: str) -> int:
+        """The input width of linear `linear` (a layer's linear prefix, or lm_head): heads * head_size for
+        attention.dense, the intermediate size for mlp.proj, the hidden size for the others."""
+        if linear == "lm_head":
+            return self.hidden_size
+        for ls in self.layers:
+            if linear in ls.linears():
+                p = ls.prefix
+                attention = self.num_heads * self.head_size
+                widths = {f"{p}.attention.dense": attention, f"{p}.mlp.proj": self.intermediate_size}
+                return widths.get(linear, self.hidden_size)  # qkv, fc, gate: the normed residual stream
+        raise UserError(
+            f"{linear} is not a linear of this {self.architecture} (lm_head, or a layer's qkv, dense, fc, gate, "
+            "proj); the checkpoint and its config.json do not match: re-run convert"
+        )
 
     @property
     def windows(self) -> list[int | None]:
         return [ls.window for ls in self.layers]
 
 
-def spec_of(cfg: Any) -> ModelSpec:
-    """The spec of a checkpoint config (a `ModelConfig`), made by its family's module."""
+def spec_of(cfg: ModelConfig, source: str = "config.json") -> ModelSpec:
+    """The spec of a checkpoint config, made by its family's module; an error names `source` (the config's path)."""
     from toolchain.checkpoint.registry import family_of_config  # the registry imports the family modules
 
-    return family_of_config(cfg).spec(cfg)
+    try:
+        return family_of_config(cfg).spec(cfg)
+    except UserError as e:
+        raise UserError(f"{source}: {e}") from e

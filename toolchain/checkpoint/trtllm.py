@@ -170,7 +170,13 @@ def write_config(directory: Path, config: ModelConfig) -> Path:
 
 
 def read_config(directory: Path) -> ModelConfig:
-    return ModelConfig.from_dict(load_json(directory / CONFIG_NAME), str(directory / CONFIG_NAME))
+    """The config, and its model description checked once here so that an error names this file."""
+    from toolchain.checkpoint.spec import spec_of  # spec.py builds on this module
+
+    path = str(directory / CONFIG_NAME)
+    cfg = ModelConfig.from_dict(load_json(directory / CONFIG_NAME), path)
+    spec_of(cfg, path)
+    return cfg
 
 
 def load_rank(directory: Path, rank: int = 0) -> dict[str, torch.Tensor]:

@@ -25,7 +25,6 @@ from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMA
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
-from toolchain.quantize.scheme import in_features
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
@@ -49,18 +48,6 @@ def tensor_proto(name: str, t: torch.Tensor) -> TensorProto:
     return proto
 
 
-def int4_proto(name: str, codes: torch.Tensor) -> TensorProto:
-    """int4 codes (int8 tensor, values -8..7) in ONNX's packing: consecutive elements in row-major order share a
-    byte, the first in the low nibble (onnx.helper.make_tensor's int4 rule)."""
-    flat = codes.reshape(-1).to(torch.int16) & 0xF
-    if flat.numel() % 2:
-        flat = torch.cat([flat, flat.new_zeros(1)])
-    packed = (flat[0::2] | (flat[1::2] << 4)).to(torch.uint8)
-    proto = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(codes.shape))
-    proto.raw_data = packed.numpy().tobytes()
-    return proto
-
-
 class _Builder:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
@@ -71,11 +58,17 @@ class _Builder:
         self._names: set[str] = set()
         self._count = 0
 
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def add_initializer(self, proto: TensorProto) -> str:
+        assert proto.name not in self._names, proto.name
+        self._names.add(proto.name)
+        self.initializers.append(proto)
+        return proto.name
+
     def const(self, name: str, t: torch.Tensor) -> str:
-        assert name not in self._names, name
-        self._names.add(name)
-        self.initializers.append(tensor_proto(name, t))
-        return name
+        return self.add_initializer(tensor_proto(name, t))
 
     def float_const(self, name: str, t: torch.Tensor) -> str:
         return self.const(name, t.to(self.dtype))
@@ -162,13 +155,13 @@ class _Exporter:
         if eps == self.cfg.norm_epsilon:
             return self.eps
         name = f"norm_epsilon_{eps!r}"
-        if name not in self.b._names:
+        if not self.b.has(name):
             self.b.const(name, torch.tensor(eps, dtype=torch.float32))
         return name
 
     def _zero_point(self, kind: str) -> str:
         name = f"zero_point_{kind.lower()}"
-        if name not in self.b._names:
+        if not self.b.has(name):
             self.b.const(name, torch.zeros((), dtype=torch.int8 if kind == "INT8" else torch.float8_e4m3fn))
         return name
 
@@ -182,7 +175,7 @@ class _Exporter:
         if method is None:
             raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
         scale = w[f"{prefix}.weights_scaling_factor"].float()
-        dq = method.export(b, prefix, w[f"{prefix}.weight"], scale, in_features(self.cfg, prefix), self.group_size)
+        dq = method.export(b, prefix, w[f"{prefix}.weight"], scale, self.spec.in_features(prefix), self.group_size)
         if b.onnx_dtype == TensorProto.FLOAT:
             return dq
         return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
@@ -255,7 +248,7 @@ class _Exporter:
             kv_cache_dtype=self.kv_dtype,
             kv_scale=kv_scale,
             # the plugin divides scores by sqrt(head_size) * q_scaling (ops.py); a layer's own scale sets it
-            q_scaling=1.0 if ls.attn_scale is None else 1 / (ls.attn_scale * c.head_size**0.5),
+            q_scaling=c.q_scaling(ls),
         )
 
     # -- the graph --------------------------------------------------------------------------------------------

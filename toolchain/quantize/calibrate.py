@@ -1,4 +1,5 @@
-"""Calibration: run sample windows of text through the reference forward and record, per linear layer, the
+"""Calibration: run sample windows of text through the reference forward, one decoder layer at a time
+(`LayerwiseCalibration`, what the quantize stage drives), and record, per linear layer, the
 largest |input| overall and per input channel (activation scales, SmoothQuant), the mean |input| per channel over
 every calibration token and a bounded sample of input rows spread evenly over all of them (AWQ's searches), and per
 attention layer the largest |k| and |v| as the KV cache stores them (after rotary) with a bounded sample of token
@@ -18,6 +19,7 @@ from toolchain.reference.model import Hooks, ReferenceModel
 SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's searches: bounded, whatever the calibration size
 KV_SAMPLE_ROWS = 1024  # token rows of [k | v] kept per attention layer for the INT8 KV scale's clip search
 KV_CLIP = tuple(1 - i / 40 for i in range(19))  # INT8 KV clip ratios: 1, 0.975, ..., 0.55
+CALIB_BATCH = 8  # calibration windows per forward batch
 
 
 @dataclass
@@ -106,12 +108,30 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
     return windows[order.sort().values]
 
 
-def calibrate(model: ReferenceModel, windows: torch.Tensor, batch: int = 8) -> Calibration:
-    calibration = Calibration.for_tokens(windows.numel())
-    model.hooks = Observer(calibration)
-    try:
-        for start in range(0, windows.shape[0], batch):
-            model.forward(windows[start : start + batch])
-    finally:
-        model.hooks = Hooks()
-    return calibration
+class LayerwiseCalibration:
+    """The calibration windows' hidden states carried through `model` one decoder layer at a time, every linear's
+    input and every KV cache observed on the way into `calibration`: the quantize stage's driver holds one layer's
+    weights at a time this way (`layer(i, weights)`), and gets the statistics the full forward would give."""
+
+    def __init__(self, model: ReferenceModel, windows: torch.Tensor) -> None:
+        self.model = model
+        self.calibration = Calibration.for_tokens(windows.numel())
+        self.observer = Observer(self.calibration)
+        model.hooks = self.observer
+        self.batches = [model.embed(windows[s : s + CALIB_BATCH]) for s in range(0, windows.shape[0], CALIB_BATCH)]
+
+    def layer(self, i: int, weights: dict[str, torch.Tensor] | None = None) -> None:
+        """Run decoder layer i on every batch; `weights`, its tensors, are in the model only meanwhile (None: the
+        model holds them already)."""
+        model, weights = self.model, weights or {}
+        model.w.update({n: t.to(model.dtype) for n, t in weights.items()})
+        self.batches = [(model.layer(h, i, positions), positions) for h, positions in self.batches]
+        for n in weights:
+            del model.w[n]
+
+    def finish(self) -> Calibration:
+        """Observe lm_head's input, as the full forward would, and take the hooks off the model."""
+        for h, _ in self.batches:
+            self.observer.linear_input("lm_head", self.model.final_norm(h))
+        self.model.hooks = Hooks()
+        return self.calibration

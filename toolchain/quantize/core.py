@@ -1,4 +1,5 @@
-"""Symmetric round-to-nearest quantization of weights, and its inverse. Pure functions on tensors.
+"""Symmetric round-to-nearest quantization of weights, and its inverse; int4 codes as an ONNX initializer. Pure
+functions on tensors.
 
 Conventions, as TensorRT-LLM and ModelOpt store them (docs/research/trtllm-quantized-layouts.md): a scale is a
 dequantization factor, w ≈ q · scale, with scale = amax / maxbound. Integer codes are clamped to the signed range
@@ -9,7 +10,12 @@ positive value reproduces the zeros exactly) instead of a division by zero.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:  # the quantize stage need not import onnx: int4_proto imports it when the exporter calls it
+    from onnx import TensorProto
 
 FP8_E4M3_MAX = 448.0
 
@@ -70,6 +76,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     low, high = raw & 0xF, raw >> 4
     codes = torch.stack([low, high], dim=1).reshape(-1, packed.shape[1])
     return torch.where(codes > 7, codes - 16, codes).to(torch.int8)
+
+
+def int4_proto(name: str, codes: torch.Tensor) -> TensorProto:
+    """int4 codes (int8 tensor, values -8..7) as an ONNX initializer in ONNX's packing: consecutive elements in
+    row-major order share a byte, the first in the low nibble (onnx.helper.make_tensor's int4 rule)."""
+    from onnx import TensorProto
+
+    flat = codes.reshape(-1).to(torch.int16) & 0xF
+    if flat.numel() % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    packed = (flat[0::2] | (flat[1::2] << 4)).to(torch.uint8)
+    proto = TensorProto(name=name, data_type=TensorProto.INT4, dims=list(codes.shape))
+    proto.raw_data = packed.numpy().tobytes()
+    return proto
 
 
 def fake_quant(x: torch.Tensor, scale: float, kind: str) -> torch.Tensor:

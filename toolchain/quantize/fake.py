@@ -9,13 +9,12 @@ from pathlib import Path
 
 import torch
 
+from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, read_config
 from toolchain.quantize.core import fake_quant
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import dequantize
 from toolchain.reference.model import Hooks, ReferenceModel
-
-__all__ = ["FakeQuant", "fake_quant", "load_quantized"]
 
 
 class FakeQuant(Hooks):
@@ -50,6 +49,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     cfg = read_config(directory)
     method = by_algo(cfg.quantization.quant_algo, str(directory / CONFIG_NAME))
     kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(directory / CONFIG_NAME))
+    spec = spec_of(cfg)
     raw = load_rank(directory, 0)
     weights: dict[str, torch.Tensor] = {}
     activation: dict[str, float] = {}
@@ -58,7 +58,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     for name, tensor in raw.items():
         if name.endswith(".weights_scaling_factor"):
             prefix = name.removesuffix(".weights_scaling_factor")
-            weights[f"{prefix}.weight"] = dequantize(cfg, raw, prefix)
+            weights[f"{prefix}.weight"] = dequantize(cfg, spec, raw, prefix)
         elif name.endswith(".activation_scaling_factor"):
             activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
         elif name.endswith(".attention.kv_cache_scaling_factor"):

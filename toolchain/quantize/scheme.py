@@ -14,9 +14,8 @@ import torch
 from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
-from toolchain.quantize.methods.registry import KV_CACHES, by_algo
+from toolchain.quantize.methods.registry import by_algo
 
-KV_MAXBOUND = {kv.quant_algo: kv.maxbound for kv in KV_CACHES.values() if kv is not None}
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_EXCLUDE = ("lm_head",)
 
@@ -31,19 +30,11 @@ def excluded(prefix: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(prefix, p) or fnmatch.fnmatchcase(prefix, f"*{p}") for p in patterns)
 
 
-def in_features(cfg: ModelConfig, prefix: str) -> int:
-    if prefix.endswith("attention.dense"):
-        return cfg.num_attention_heads * cfg.head_size
-    if prefix.endswith("mlp.proj"):
-        return cfg.intermediate_size
-    return cfg.hidden_size  # qkv, fc, gate, lm_head
-
-
-def dequantize(cfg: ModelConfig, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+def dequantize(cfg: ModelConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The float weight [out, in] a quantized PREFIX stores; a `prequant_scaling_factor`, when there is one, still
     multiplies the input (the engine applies it to the input before any activation quantization)."""
     method = by_algo(cfg.quantization.quant_algo)
     if method is None:
         raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
     scale = weights[f"{prefix}.weights_scaling_factor"].float()
-    return method.dequantize(weights[f"{prefix}.weight"], scale, in_features(cfg, prefix))
+    return method.dequantize(weights[f"{prefix}.weight"], scale, spec.in_features(prefix))

@@ -4,8 +4,9 @@ easy. Dividing input channel c by s_c = max|x_c|^α / max|W_c|^(1-α) and multip
 leaves the product unchanged and moves part of the activation's range into the weight.
 
 Where the division goes (ModelOpt's export, `fuse_prequant_layernorm` in modelopt/torch/export): into the weight
-(and bias) of the norm that feeds the linears, when there is one — qkv after input_layernorm, fc and gate (which
-share one scale) after post_layernorm — and otherwise into the linear's `prequant_scaling_factor` (= 1/s,
+(and bias) of the norm that feeds the linears, when there is one — the norm that feeds them, from the spec
+(`LayerSpec.smoothing_groups`: qkv's attention norm; the MLP norm in front of fc and gate, which share one scale)
+— and otherwise into the linear's `prequant_scaling_factor` (= 1/s,
 multiplying the input at run time): attention.dense and mlp.proj. Our own implementation.
 
 α per group of linears (`alpha="auto"`): ModelOpt's `smoothquant` (modelopt/torch/quantization/model_calib.py)

@@ -29,7 +29,7 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import return_freed_memory
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
-from toolchain.checkpoint.spec import spec_of
+from toolchain.checkpoint.spec import ModelSpec, spec_of
 from toolchain.checkpoint.trtllm import (
     CONFIG_NAME,
     ModelConfig,
@@ -42,14 +42,14 @@ from toolchain.errors import UserError
 from toolchain.evaluate.quality import QualityReport, compare
 from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
-from toolchain.quantize.calibrate import Calibration, Observer, sample_windows
+from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, sample_windows
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
 from toolchain.quantize.methods.registry import KV_CACHES, method
 from toolchain.quantize.scheme import DEFAULT_EXCLUDE, GROUP_SIZES, excluded, quantizable
 from toolchain.quantize.smoothquant import Alpha
-from toolchain.reference.model import Hooks, ReferenceModel
+from toolchain.reference.model import ReferenceModel
 
 
 @dataclass(frozen=True)
@@ -178,8 +178,25 @@ def _quantize_layer(qm: QuantMethod, layer: Layer, ctx: Context, header: dict[st
     return prepared if qm.details_key else {}
 
 
+def _outside_layers(spec: ModelSpec) -> list[str]:
+    """The tensors the calibration forward reads besides the layers' (lm_head's input is the final norm's output):
+    the vocabulary embedding, the learned position embedding where there is one, the final norm."""
+    norm = spec.final_norm
+    return [
+        "transformer.vocab_embedding.weight",
+        *(["transformer.position_embedding.weight"] if spec.learned_positions else []),
+        f"{norm.name}.weight",
+        *([f"{norm.name}.bias"] if norm.has_bias else []),
+    ]
+
+
 def _quantize_layerwise(
-    source: Path, cfg: ModelConfig, opts: QuantizeOptions, chosen: set[str], windows: torch.Tensor | None
+    source: Path,
+    cfg: ModelConfig,
+    spec: ModelSpec,
+    opts: QuantizeOptions,
+    chosen: set[str],
+    windows: torch.Tensor | None,
 ) -> tuple[Planned, Calibration, dict[str, Any]]:
     """Every method, one decoder layer at a time. With calibration (`windows`), the windows' hidden states go
     through layer i (its float weights the only ones in memory), its statistics are recorded, and the method
@@ -189,45 +206,32 @@ def _quantize_layerwise(
     qm = opts.quant_method
     path = source / rank_file(0)
     header, _ = read_header(path)
-    layers = {
-        i: sorted(n for n in header if n.startswith(f"transformer.layers.{i}.")) for i in range(cfg.num_hidden_layers)
-    }
-    in_layers = {n for names in layers.values() for n in names}
-    calib = Calibration() if windows is None else Calibration.for_tokens(windows.numel())
-    ctx = Context(opts.group_size, cfg.torch_dtype, opts.sq_alpha, calib)
     out: Planned = {n: _as_is(n, info) for n, info in header.items()}
     choices: dict[str, Any] = {}
-    model: ReferenceModel | None = None
     with path.open("rb") as f, torch.no_grad():
 
         def load(names: list[str]) -> dict[str, torch.Tensor]:
             return {n: read_tensor(f, header[n]) for n in names}
 
+        run: LayerwiseCalibration | None = None
         if windows is not None:
-            rest = sorted(set(header) - in_layers)  # embeddings, final norm, lm_head: the model needs the first two
-            model = ReferenceModel(cfg, load([n for n in rest if "embedding" in n or n.startswith("transformer.ln_f")]))
-            model.hooks = Observer(calib)
-            batches = [model.embed(windows[s : s + 8]) for s in range(0, windows.shape[0], 8)]  # calibrate()'s batches
-        for i in range(cfg.num_hidden_layers):
-            layer = load(layers[i]) if model is not None or not qm.streamable else {}
-            if model is not None:
-                model.w.update({n: t.to(model.dtype) for n, t in layer.items()})
-                batches = [(model.layer(h, i, rope), rope) for h, rope in batches]
-                for n in layer:
-                    del model.w[n]
-            prefix = f"transformer.layers.{i}"
-            linears = sorted(p for p in chosen if p.startswith(f"{prefix}."))
-            spec = model.spec.layers[i] if model is not None else None
-            choices.update(_quantize_layer(qm, Layer(prefix, layer, linears, chosen, spec), ctx, header, out))
-            for linear in [p for p in calib.input_sample if p.startswith(f"{prefix}.")]:
-                del calib.input_sample[linear]  # this layer's row samples are spent (AWQ's searches used them)
-        if model is not None:
-            for h, _ in batches:  # lm_head's input, as the full forward would have observed it
-                model.hooks.linear_input("lm_head", model.final_norm(h))
-            model.hooks = Hooks()
+            run = LayerwiseCalibration(ReferenceModel(cfg, load(_outside_layers(spec))), windows)
+        calib = run.calibration if run else Calibration()
+        ctx = Context(opts.group_size, cfg.torch_dtype, opts.sq_alpha, calib)
+        for ls in spec.layers:
+            names = sorted(n for n in header if n.startswith(f"{ls.prefix}."))
+            layer = load(names) if run or not qm.streamable else {}
+            if run:
+                run.layer(ls.index, layer)
+            linears = [p for p in ls.linears() if p in chosen]
+            choices.update(_quantize_layer(qm, Layer(ls.prefix, layer, linears, chosen, ls), ctx, header, out))
+            for linear in ls.linears():
+                calib.input_sample.pop(linear, None)  # this layer's row samples are spent (AWQ's searches used them)
+        if run:
+            run.finish()
         if "lm_head" in chosen:
             head = load(["lm_head.weight"]) if not qm.streamable else {}
-            choices.update(_quantize_layer(qm, Layer("lm_head", head, ["lm_head"], chosen), ctx, header, out))
+            choices.update(_quantize_layer(qm, Layer("lm_head", head, ["lm_head"], chosen, None), ctx, header, out))
     return out, calib, choices
 
 
@@ -252,13 +256,14 @@ def quantize_checkpoint(
     if not rank_path.is_file():
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
-    linears = quantizable(spec_of(cfg))
+    spec = spec_of(cfg)
+    linears = quantizable(spec)
     missing = sorted(p for p in linears if f"{p}.weight" not in header)
     if missing:
         raise UserError(f"{rank_path}: {missing[0]}.weight missing; config.json's model needs it (re-run convert)")
     chosen = [p for p in linears if not excluded(p, opts.exclude)]
     windows, calib_info = _windows(source, opts) if opts.needs_calibration else (None, {})
-    out, calib, choices = _quantize_layerwise(source, cfg, opts, set(chosen), windows)
+    out, calib, choices = _quantize_layerwise(source, cfg, spec, opts, set(chosen), windows)
     kv_tensors, kv_clip = kv.scales(calib) if kv else ({}, {})
     out.update(kv_tensors)
     quant = QuantConfig(

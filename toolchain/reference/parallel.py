@@ -21,7 +21,6 @@ from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.model import ReferenceModel
 
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
-_ROW_BIASES = ("attention.dense.bias", "mlp.proj.bias")
 
 
 def load_ranks(directory: Path) -> tuple[ModelConfig, list[dict[str, torch.Tensor]]]:
@@ -68,23 +67,22 @@ class TensorParallelModel(ReferenceModel):
             num_key_value_heads=max(cfg.num_key_value_heads // tp, 1),
             intermediate_size=cfg.intermediate_size // tp,
         )
-        self.shards = [
-            ReferenceModel(local, {k: v for k, v in w.items() if not k.endswith(_ROW_BIASES)}, dtype) for w in ranks
-        ]
+        self.shards = [ReferenceModel(local, w, dtype) for w in ranks]
         for shard in self.shards:
-            shard.row_biases = False
+            shard.row_biases = False  # added once, after the sum
 
-    def _sum(self, parts: list[torch.Tensor], bias: str) -> torch.Tensor:
+    def _sum(self, parts: list[torch.Tensor], bias: str | None) -> torch.Tensor:
         """Row-parallel partial outputs summed (the all-reduce), the bias added once."""
         total = torch.stack(parts).sum(0)
-        return total + self.w[bias] if bias in self.w else total
+        return total if bias is None else total + self.w[bias]
 
     def attention(self, x: torch.Tensor, ls: LayerSpec, positions: torch.Tensor) -> torch.Tensor:
         parts = [m.attention(x, m.spec.layers[ls.index], positions) for m in self.shards]
-        return self._sum(parts, f"{ls.prefix}.attention.dense.bias")
+        return self._sum(parts, f"{ls.prefix}.attention.dense.bias" if ls.dense_bias else None)
 
     def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
-        return self._sum([m.mlp(x, m.spec.layers[ls.index]) for m in self.shards], f"{ls.prefix}.mlp.proj.bias")
+        parts = [m.mlp(x, m.spec.layers[ls.index]) for m in self.shards]
+        return self._sum(parts, f"{ls.prefix}.mlp.proj.bias" if ls.mlp_bias else None)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tp = len(self.shards)

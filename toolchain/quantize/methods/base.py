@@ -49,8 +49,9 @@ class Layer:
 class GraphBuilder(Protocol):
     """The part of the ONNX exporter's builder (engine/export.py) a method's `export` uses."""
 
-    initializers: list[TensorProto]
-    _names: set[str]
+    def add_initializer(self, proto: TensorProto) -> str:
+        """Add a ready-made initializer (e.g. int4 codes, core.int4_proto); returns its name."""
+        ...
 
     def const(self, name: str, t: torch.Tensor) -> str: ...
 

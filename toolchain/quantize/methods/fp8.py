@@ -10,6 +10,8 @@ before either is quantized, and the fused pair's activation scale is the max of 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import reduce
 from typing import Any
 
 import torch
@@ -20,12 +22,13 @@ from toolchain.quantize.methods.base import Context, GraphBuilder, Layer, QuantM
 from toolchain.quantize.methods.w8a8_sq import activation_scale
 
 
-def _partner(prefix: str) -> str | None:
-    if prefix.endswith(".mlp.fc"):
-        return prefix.removesuffix(".fc") + ".gate"
-    if prefix.endswith(".mlp.gate"):
-        return prefix.removesuffix(".gate") + ".fc"
-    return None
+@dataclass(frozen=True)
+class Fused:
+    """What linears fused into one GEMM (the spec's group reading one input: mlp.fc with mlp.gate) share: the
+    largest |w| of them all, and the linears whose input maxima set the one activation scale."""
+
+    weight_amax: torch.Tensor
+    linears: tuple[str, ...]
 
 
 class FP8(QuantMethod):
@@ -43,24 +46,22 @@ class FP8(QuantMethod):
         }
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
-        """The weight amax each of mlp.fc and mlp.gate shares with the other (both quantized), by prefix."""
-        shared: dict[str, torch.Tensor] = {}
-        for fc in [p for p in layer.linears if p.endswith(".mlp.fc")]:
-            gate = _partner(fc)
-            if gate in layer.linears:
-                w = layer.tensors
-                shared[fc] = shared[gate] = torch.maximum(
-                    w[f"{fc}.weight"].abs().amax(), w[f"{gate}.weight"].abs().amax()
-                )
+        """What each linear of a fused group (the layer spec's linears reading one input, more than one and all
+        quantized: mlp.fc with mlp.gate) shares with the others, by prefix."""
+        shared: dict[str, Fused] = {}
+        for group in layer.spec.input_groups() if layer.spec else []:
+            if len(group) > 1 and all(p in layer.linears for p in group):
+                amax = reduce(torch.maximum, [layer.tensors[f"{p}.weight"].abs().amax() for p in group])
+                shared.update(dict.fromkeys(group, Fused(amax, tuple(group))))
         return shared
 
     def quantize(
         self, prefix: str, weight: torch.Tensor, ctx: Context, prepared: Any = None
     ) -> dict[str, torch.Tensor]:
-        codes, scale = quantize_fp8(weight, prepared)
-        partner = _partner(prefix) if prepared is not None else None  # fused: one activation scale too (the max)
-        amax = ctx.calib.input_amax
-        act = activation_scale(max(amax[prefix], amax.get(partner, 0.0) if partner else 0.0), FP8_E4M3_MAX)
+        fused = prepared if isinstance(prepared, Fused) else None
+        codes, scale = quantize_fp8(weight, fused.weight_amax if fused else None)
+        linears = fused.linears if fused else (prefix,)  # fused: one activation scale too (the max)
+        act = activation_scale(max(ctx.calib.input_amax[p] for p in linears), FP8_E4M3_MAX)
         return {
             f"{prefix}.weight": codes,
             f"{prefix}.weights_scaling_factor": scale,

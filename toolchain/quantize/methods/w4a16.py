@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.errors import UserError
-from toolchain.quantize.core import dequantize_groupwise, pack_int4, quantize_groupwise, unpack_int4
+from toolchain.quantize.core import dequantize_groupwise, int4_proto, pack_int4, quantize_groupwise, unpack_int4
 from toolchain.quantize.methods.base import Context, GraphBuilder, QuantMethod, info
 
 
@@ -39,14 +39,9 @@ class GroupwiseInt4(QuantMethod):
     def export(
         self, b: GraphBuilder, prefix: str, codes: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int
     ) -> str:
-        from toolchain.engine.export import int4_proto  # the exporter imports this registry
-
-        b._names.add(f"{prefix}.weight")
-        b.initializers.append(int4_proto(f"{prefix}.weight", unpack_int4(codes)[:, :in_features]))
+        wname = b.add_initializer(int4_proto(f"{prefix}.weight", unpack_int4(codes)[:, :in_features]))
         sname = b.const(f"{prefix}.weights_scaling_factor", scale)
-        return b.op(
-            "DequantizeLinear", [f"{prefix}.weight", sname], f"{prefix}.weight_dq", axis=1, block_size=group_size
-        )
+        return b.op("DequantizeLinear", [wname, sname], f"{prefix}.weight_dq", axis=1, block_size=group_size)
 
 
 def _check_even(prefix: str, out_dim: int) -> None:
