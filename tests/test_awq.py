@@ -4,6 +4,7 @@ gain over round-to-nearest."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -13,16 +14,22 @@ from conftest import SHARED
 from safetensors.torch import load_file
 
 from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.spec import LayerSpec, Norm
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
 from toolchain.quantize.awq import (
+    FORMULAS,
     GRID,
+    X_ONLY,
+    X_OVER_W,
     clip_groups,
     fake_groupwise,
     search_clip,
     search_group,
+    search_scale,
     search_shared_scales,
     shared_input_groups,
+    weight_stat,
 )
 from toolchain.quantize.core import quantize_groupwise
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
@@ -51,6 +58,43 @@ def test_scale_search_protects_a_planted_outlier_channel() -> None:
     assert _error([weight], x, s, 32) < 0.5 * _error([weight], x, torch.ones(64, dtype=torch.float64), 32)
 
 
+def test_weight_term_wins_for_a_weight_with_one_huge_column() -> None:
+    """Equal mean |x| on every channel: s = x^α is s = 1 (round-to-nearest) at every α. One input column 30 times
+    the rest sets every group's int4 step; s = x^α / w^(1-α) scales the other columns up past it and wins."""
+    weight, x = _layer(6, out_dim=32)
+    weight[:, 9] *= 30
+    flat = torch.ones(64)
+    w_stat = weight_stat([weight], 32)
+    assert w_stat.argmax().item() == 9 and w_stat[9] > 0.9 and w_stat.shape == (64,)
+    x_only = search_scale([weight], x, flat, 32, torch.float32, (X_ONLY,))
+    both = search_scale([weight], x, flat, 32, torch.float32)
+    assert x_only.alpha == 0 and x_only.error_ratio == 1  # every x^α candidate is s = 1; the first of equals
+    assert both.formula == X_OVER_W and both.alpha < 1 and both.scale.argmin().item() == 9
+    assert both.error_ratio < 0.5
+    assert both.error == pytest.approx(_error([weight], x, both.scale, 32), rel=1e-6)
+    choice = search_group({"L.mlp.proj": weight}, x, flat, 32, torch.float32)["L.mlp.proj"]
+    assert choice.formula == X_OVER_W and choice.summary()["scale_formula"] == X_OVER_W
+
+
+def test_search_over_both_families_never_loses_to_either_alone() -> None:
+    """On its own objective (the summed output error of the group) the search over both families is the better of
+    the two searched alone, exactly, and takes that family's s; here each family wins somewhere."""
+    winners = set()
+    for seed in range(8):
+        weights = [_layer(10 + seed, out_dim=24)[0], _layer(20 + seed, out_dim=8)[0]]
+        _, x = _layer(30 + seed)
+        x[:, seed] *= 5 + 10 * seed  # a loud channel of varying strength
+        if seed % 2:
+            weights[0][:, 40 + seed] *= 1 + 4 * seed  # and, in half the cases, a large weight column
+        alone = [search_scale(weights, x, x.abs().mean(0), 32, torch.float32, (f,)) for f in FORMULAS]
+        both = search_scale(weights, x, x.abs().mean(0), 32, torch.float32)
+        best = min(alone, key=lambda r: r.error)  # the first of equals: the paper's family
+        assert both.error == best.error and both.formula == best.formula and torch.equal(both.scale, best.scale)
+        assert both.alpha == best.alpha and both.error_ratio <= 1
+        winners.add(both.formula)
+    assert winners == set(FORMULAS)
+
+
 def test_scale_is_shared_by_linears_reading_one_input() -> None:
     """q, k and v searched as three linears with the summed loss choose what their fused qkv chooses; fc and gate
     get one scale vector (one prequant_scaling_factor)."""
@@ -63,10 +107,18 @@ def test_scale_is_shared_by_linears_reading_one_input() -> None:
     choices = search_group({"L.mlp.fc": qkv[:16], "L.mlp.gate": gate}, x, x.abs().mean(0), 32, torch.float32)
     assert torch.equal(choices["L.mlp.fc"].scale, choices["L.mlp.gate"].scale)
     assert choices["L.mlp.fc"].alpha == choices["L.mlp.gate"].alpha
-    names = ["t.layers.0.attention.qkv", "t.layers.0.attention.dense", "t.layers.0.mlp.fc", "t.layers.0.mlp.gate"]
-    groups = shared_input_groups([*names, "t.layers.0.mlp.proj", "t.layers.1.mlp.fc", "lm_head"])
-    assert ["t.layers.0.mlp.fc", "t.layers.0.mlp.gate"] in groups and ["t.layers.1.mlp.fc"] in groups
-    assert sorted(len(g) for g in groups) == [1, 1, 1, 1, 1, 2]
+
+
+def test_groups_of_linears_reading_one_input_come_from_the_spec() -> None:
+    """The layer's spec groups its linears (fc with gate); an excluded linear leaves its partner alone; a layer
+    without a gate has fc alone; lm_head (no layer spec) is a group of its own."""
+    gated = LayerSpec(3, Norm("transformer.layers.3.input_layernorm"), Norm("transformer.layers.3.post_layernorm"))
+    qkv, dense, fc, gate, proj = gated.linears()
+    assert shared_input_groups(gated, [qkv, dense, fc, gate, proj]) == [[qkv], [fc, gate], [dense], [proj]]
+    assert shared_input_groups(gated, [dense, fc, proj]) == [[fc], [dense], [proj]]
+    plain = dataclasses.replace(gated, gated_mlp=False)
+    assert shared_input_groups(plain, plain.linears()) == [[qkv], [fc], [dense], [proj]]
+    assert shared_input_groups(None, ["lm_head"]) == [["lm_head"]]
 
 
 def test_clip_search_lowers_the_output_error() -> None:
@@ -105,7 +157,9 @@ def test_stage_shares_scales_clips_and_records_choices(stories_ckpt: Path, tmp_p
         assert torch.equal(w[f"{layer}.mlp.fc.prequant_scaling_factor"], w[f"{layer}.mlp.gate.prequant_scaling_factor"])
         assert awq[f"{layer}.mlp.fc"]["alpha"] == awq[f"{layer}.mlp.gate"]["alpha"]
     for choice in awq.values():
-        assert choice["alpha"] in [k / GRID for k in range(GRID)] and choice["error_ratio"] <= 1
+        assert choice["scale_formula"] in FORMULAS and choice["error_ratio"] <= 1
+        top = GRID if choice["scale_formula"] == X_OVER_W else GRID - 1
+        assert choice["alpha"] in [k / GRID for k in range(top + 1)]
         assert 0.55 <= choice["clip_mean"] <= 1 and 0 <= choice["clipped_groups"] <= 1
     assert any(c["clipped_groups"] > 0 for c in awq.values())
 

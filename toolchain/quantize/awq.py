@@ -1,11 +1,15 @@
 """AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization", 2023), in the paper's two searches, per group of
-linears that read the same input (one fused qkv; mlp.fc with mlp.gate; attention.dense; mlp.proj; lm_head):
+linears that read the same input (the layer's spec says which, `LayerSpec.input_groups`: one fused qkv; mlp.fc
+with mlp.gate; attention.dense; mlp.proj; and lm_head alone):
 
-1. Scale search: input channel c of every weight in the group is multiplied by s_c = mean|x_c|^α (the mean over all
-   calibration tokens of the linear's own input) and the input divided by s_c at run time, so the channels that
-   carry large activations lose less precision. α is searched on a 20-point grid, minimising the summed squared
-   output error of the group's linears on calibration inputs; one s for the whole group, because linears that read
-   one input read it through one multiplier (TensorRT-LLM fuses qkv, and fc with gate).
+1. Scale search: input channel c of every weight in the group is multiplied by s_c and the input divided by s_c at
+   run time, so the channels that carry large activations lose less precision. Two families of candidates, with
+   x_c = mean|x_c| over all calibration tokens of the linear's own input: the paper's s_c = x_c^α (α in 0, 0.05,
+   ..., 0.95) and ModelOpt awq_lite's s_c = x_c^α / w_c^(1-α) (α in 0, 0.05, ..., 1), w_c = |w| over its block's
+   max |w|, averaged over the output rows of the group's linears, which divides the low-|w| channels back down.
+   The candidate with the least summed squared output error of the group's linears on calibration inputs wins
+   (the first of equals, the paper's family first); one s for the whole group, because linears that read one
+   input read it through one multiplier (TensorRT-LLM fuses qkv, and fc with gate).
 2. Clip search, after scaling: per output channel and group, the group's largest |w| is shrunk by a ratio on a grid
    (1, 0.95, ..., 0.55) and the ratio with the least error of that group's partial dot products on the (scaled)
    calibration inputs kept; weights beyond it saturate.
@@ -21,32 +25,48 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from toolchain.checkpoint.spec import LayerSpec
 from toolchain.quantize.core import dequantize_groupwise, quantize_groupwise
 
-GRID = 20  # α in {0, 0.05, ..., 0.95}, as the paper's search
+GRID = 20  # α in {0, 0.05, ..., 0.95} for s = x^α, as the paper's search; {0, ..., 1} for s = x^α / w^(1-α)
+X_ONLY, X_OVER_W = "x^a", "x^a/w^(1-a)"  # the two families of scale candidates, as the manifest names them
+FORMULAS = (X_ONLY, X_OVER_W)
 CLIP_GRID = 20  # clip ratios 1 - k / CLIP_GRID ...
 CLIP_MAX_SHRINK = 0.5  # ... for k < CLIP_GRID * CLIP_MAX_SHRINK: 1, 0.95, ..., 0.55, as the paper's reference code
-# Linears that read the same input, by their name inside a decoder layer; any other linear is a group of its own.
-SHARED_INPUT = (("attention.qkv",), ("attention.dense",), ("mlp.fc", "mlp.gate"), ("mlp.proj",))
 
 
 @dataclass(frozen=True)
 class AwqChoice:
     """What the searches chose for one linear: s (float64 [in]) as the run time will apply it, the clip ratio per
-    output channel and group (float32 [out, groups]), α, and the output error against round-to-nearest."""
+    output channel and group (float32 [out, groups]), α, the output error against round-to-nearest, and which
+    family of scales won (`FORMULAS`)."""
 
     scale: torch.Tensor
     clip: torch.Tensor
     alpha: float
     error_ratio: float
+    formula: str = X_ONLY
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | str]:
         return {
             "alpha": self.alpha,
             "error_ratio": round(self.error_ratio, 4),
             "clip_mean": round(self.clip.mean().item(), 4),
             "clipped_groups": round((self.clip < 1).float().mean().item(), 4),
+            "scale_formula": self.formula,
         }
+
+
+@dataclass(frozen=True)
+class ScaleSearch:
+    """The scale search's winner for one group of linears: s (float64 [in]), its α and family, its summed squared
+    output error and that error over round-to-nearest's (s = 1)."""
+
+    scale: torch.Tensor
+    alpha: float
+    formula: str
+    error: float
+    error_ratio: float
 
 
 def _padded(weight: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -76,34 +96,74 @@ def quantize_awq(weight: torch.Tensor, choice: AwqChoice, group_size: int) -> tu
     return quantize_groupwise(padded, group_size)
 
 
-def search_shared_scales(
-    weights: list[torch.Tensor], inputs: torch.Tensor, mean_abs: torch.Tensor, group_size: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, float, float]:
-    """One s (float64 [in]) for linears sharing `inputs` [rows, in], minimising Σ ||x Wᵀ - (x / s) Q(W s)ᵀ||²;
-    also the best α and the error ratio against plain round-to-nearest (α = 0). s is rounded through 1/s in
-    `dtype`, the `prequant_scaling_factor` the run time multiplies by, so weight and input scaling cancel exactly.
-    Products in float32 (int4 rounding error is orders of magnitude above float32's), scales in float64."""
+def weight_stat(weights: list[torch.Tensor], group_size: int) -> torch.Tensor:
+    """w_c (float64 [in]) of the linears in `weights` stacked: |w| over the max |w| of its group of `group_size`
+    input channels, averaged over all output rows (ModelOpt awq_lite's `get_weight_scale`)."""
+    rows = []
+    for w in weights:
+        padded = _padded(w, group_size).abs()
+        out_dim, in_dim = padded.shape
+        groups = padded.reshape(out_dim, in_dim // group_size, group_size)
+        rows.append((groups / groups.amax(2, keepdim=True).clamp_min(1e-30)).reshape(out_dim, in_dim)[:, : w.shape[1]])
+    return torch.cat(rows).double().mean(0)
+
+
+def _candidates(
+    weights: list[torch.Tensor], mean_abs: torch.Tensor, group_size: int, formulas: tuple[str, ...]
+) -> list[tuple[str, float, torch.Tensor]]:
+    """(family, α, unrounded s) of every candidate, s = 1 (α = 0 of s = x^α) first."""
+    stats = mean_abs.double().clamp_min(1e-8)
+    out = [(X_ONLY, step / GRID, stats.pow(step / GRID)) for step in range(GRID)] if X_ONLY in formulas else []
+    if X_OVER_W in formulas:
+        w_stat = weight_stat(weights, group_size).clamp_min(1e-8)
+        out += [
+            (X_OVER_W, step / GRID, stats.pow(step / GRID) / w_stat.pow(1 - step / GRID)) for step in range(GRID + 1)
+        ]
+    return out
+
+
+def search_scale(
+    weights: list[torch.Tensor],
+    inputs: torch.Tensor,
+    mean_abs: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype,
+    formulas: tuple[str, ...] = FORMULAS,
+) -> ScaleSearch:
+    """One s (float64 [in]) for linears sharing `inputs` [rows, in], minimising Σ ||x Wᵀ - (x / s) Q(W s)ᵀ||² over
+    the candidates of `formulas` (the first of equals wins). s is rounded through 1/s in `dtype`, the
+    `prequant_scaling_factor` the run time multiplies by, so weight and input scaling cancel exactly. Products in
+    float32 (int4 rounding error is orders of magnitude above float32's), scales in float64."""
+    unknown = set(formulas) - set(FORMULAS)
+    assert formulas and not unknown, f"scale formulas {sorted(unknown)} are none of {FORMULAS}"
     x = inputs.float()
     references = [x @ w.float().T for w in weights]
-    stats = mean_abs.double().clamp_min(1e-8)
-    best: tuple[float, torch.Tensor, float] | None = None
-    rtn_error = 0.0
-    for step in range(GRID):
-        alpha = step / GRID
-        s = stats.pow(alpha)
-        s = s / (s.max() * s.min()).sqrt()  # keep the scales centred around 1, as the reference code does
-        s = 1 / (1 / s).to(dtype).double()
+
+    def error(s: torch.Tensor) -> float:
         x_scaled = x / s.float()
-        error = sum(
+        return sum(
             (ref - x_scaled @ fake_groupwise((w.double() * s).float(), group_size).T).pow(2).double().sum().item()
             for w, ref in zip(weights, references, strict=True)
         )
-        if step == 0:
-            rtn_error = error
-        if best is None or error < best[2]:
-            best = (alpha, s, error)
+
+    rtn_error = error(torch.ones_like(mean_abs, dtype=torch.float64))
+    best: ScaleSearch | None = None
+    for formula, alpha, s in _candidates(weights, mean_abs, group_size, formulas):
+        s = s / (s.max() * s.min()).sqrt()  # keep the scales centred around 1, as the reference code does
+        s = 1 / (1 / s).to(dtype).double()
+        e = error(s)
+        if best is None or e < best.error:
+            best = ScaleSearch(s, alpha, formula, e, e / rtn_error if rtn_error else 1.0)
     assert best is not None
-    return best[1], best[0], best[2] / rtn_error if rtn_error else 1.0
+    return best
+
+
+def search_shared_scales(
+    weights: list[torch.Tensor], inputs: torch.Tensor, mean_abs: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, float, float]:
+    """`search_scale`'s s, α and error ratio against round-to-nearest (s = 1)."""
+    found = search_scale(weights, inputs, mean_abs, group_size, dtype)
+    return found.scale, found.alpha, found.error_ratio
 
 
 def search_scales(
@@ -138,26 +198,29 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int) -> 
     return best_ratio
 
 
-def shared_input_groups(prefixes: list[str]) -> list[list[str]]:
-    """`prefixes` (linears to quantize) grouped by the input they read, in a fixed order."""
-    groups: dict[str, list[str]] = {}
-    for prefix in sorted(prefixes):
-        key = prefix
-        for names in SHARED_INPUT:
-            for name in names:
-                if prefix.endswith(f".{name}"):
-                    key = prefix.removesuffix(name) + names[0]
-        groups.setdefault(key, []).append(prefix)
-    return [groups[k] for k in sorted(groups)]
+def shared_input_groups(layer: LayerSpec | None, linears: list[str]) -> list[list[str]]:
+    """`linears` (one unit's linears to quantize) grouped by the input they read, in the spec's order: its
+    `input_groups` cut down to `linears`; without a layer spec (lm_head) each linear is a group of its own."""
+    groups = [[p] for p in linears] if layer is None else [[p for p in g if p in linears] for g in layer.input_groups()]
+    groups = [g for g in groups if g]
+    assert sorted(p for g in groups for p in g) == sorted(linears), f"{linears} are not all linears of {layer}"
+    return groups
 
 
 def search_group(
     weights: dict[str, torch.Tensor], inputs: torch.Tensor, mean_abs: torch.Tensor, group_size: int, dtype: torch.dtype
 ) -> dict[str, AwqChoice]:
     """Both searches for linears reading one input: a shared s, then each linear's own clip ratios."""
-    s, alpha, ratio = search_shared_scales(list(weights.values()), inputs, mean_abs, group_size, dtype)
+    found = search_scale(list(weights.values()), inputs, mean_abs, group_size, dtype)
+    s = found.scale
     x_scaled = (inputs.double() / s).float()
     return {
-        prefix: AwqChoice(s, search_clip((w.double() * s).float(), x_scaled, group_size), alpha, ratio)
+        prefix: AwqChoice(
+            s,
+            search_clip((w.double() * s).float(), x_scaled, group_size),
+            found.alpha,
+            found.error_ratio,
+            found.formula,
+        )
         for prefix, w in weights.items()
     }

@@ -1,6 +1,6 @@
 """W4A16_AWQ: W4A16's layout of the weight scaled per input channel by AWQ's s (awq.py: scale search per group of
-linears reading one input, then clip search per group of weights), plus PREFIX.prequant_scaling_factor [in] = 1/s
-in the model dtype, which multiplies the input at run time."""
+linears reading one input over s = x^α and s = x^α / w^(1-α), then clip search per group of weights), plus
+PREFIX.prequant_scaling_factor [in] = 1/s in the model dtype, which multiplies the input at run time."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ class W4A16Awq(GroupwiseInt4):
     needs_calibration = True
     streamable = False
     pre_quant_scale = True
-    details_key = "awq"  # per linear: α, output error vs round-to-nearest, mean clip ratio, share of groups clipped
+    # per linear: α, output error vs round-to-nearest, mean clip ratio, share of groups clipped, and which family of
+    # scales won (scale_formula: s = x^α, "x^a", or x^α / w^(1-α), "x^a/w^(1-a)"; awq.py)
+    details_key = "awq"
 
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.prequant_scaling_factor", ctx.dtype, shape[1])}
@@ -28,7 +30,7 @@ class W4A16Awq(GroupwiseInt4):
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
         """AWQ's searches for the layer's linears, by groups that read one input and share one scale vector."""
         choices: dict[str, AwqChoice] = {}
-        for group in shared_input_groups(layer.linears):
+        for group in shared_input_groups(layer.spec, layer.linears):
             x, mean_abs = ctx.calib.input_sample[group[0]], ctx.calib.mean_abs(group[0])
             weights = {p: layer.tensors[f"{p}.weight"] for p in group}
             choices.update(search_group(weights, x, mean_abs, ctx.group_size, ctx.dtype))
