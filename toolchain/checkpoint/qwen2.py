@@ -3,8 +3,8 @@
 From TensorRT-LLM's tensorrt_llm/models/qwen/convert.py and utils.py (`get_qwen_key_list`): q/k/v weights and
 biases fuse into `attention.qkv.{weight,bias}`, gate_proj -> `mlp.fc`, up_proj -> `mlp.gate`; config
 `architecture` = "Qwen2ForCausalLM", `qwen_type` = "qwen2", `attn_bias` = true. Qwen2's per-layer sliding
-window (`use_sliding_window` with `max_window_layers`) is refused: neither the reference nor our attention
-plugin implements a window that differs by layer.
+windows (`use_sliding_window` with `max_window_layers` or `layer_types`) become `sliding_window` + `layer_types`
+(llama.layer_windows); TensorRT-LLM's Qwen config has no window field, it takes windows at build time.
 """
 
 from __future__ import annotations
