@@ -282,3 +282,15 @@ def test_gemma3_decode_past_the_window_matches_the_full_sequence(tmp_path: Path)
     for p in range(5, len(ids)):
         got.append(engine.forward(Batch.from_sequences([[ids[p]]], [p], [blocks]), pool))
     np.testing.assert_allclose(np.concatenate(got), full, rtol=0, atol=1e-4)
+
+
+def test_a_scale_on_something_that_is_not_a_linear_names_the_file(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    convert(_hf(tmp_path, "qwen2-windows"), tmp_path / "ckpt")
+    quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", QuantizeOptions("w8a16"))
+    weights = load_rank(tmp_path / "q")
+    weights["transformer.ln_f.weights_scaling_factor"] = torch.ones(64)
+    save_file(weights, str(tmp_path / "q" / "rank0.safetensors"), {"format": "pt"})
+    with pytest.raises(UserError, match=r"rank0\.safetensors: transformer\.ln_f\.weights_scaling_factor"):
+        load_quantized(tmp_path / "q")

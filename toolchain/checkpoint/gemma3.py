@@ -175,9 +175,8 @@ def spec(cfg: ModelConfig) -> ModelSpec:
     windows = windows_of(cfg, types)
     scale = _field(cfg, "query_pre_attn_scalar")
     assert scale is not None
-    local_base = _field(cfg, "rope_local_base_freq")
-    assert local_base is not None
-    local = Rope(local_base)
+    local_base = _field(cfg, "rope_local_base_freq", optional=True)
+    local = Rope(10_000.0 if local_base is None else local_base)  # Gemma3TextConfig's default when absent
     full = Rope(cfg.rotary_base, cfg.rotary_scaling)
 
     def layer(i: int) -> LayerSpec:

@@ -138,20 +138,22 @@ def search_scale(
     assert formulas and not unknown, f"scale formulas {sorted(unknown)} are none of {FORMULAS}"
     x = inputs.float()
     references = [x @ w.float().T for w in weights]
+    wide = [w.double() for w in weights]  # once, not once per candidate
 
     def error(s: torch.Tensor) -> float:
         x_scaled = x / s.float()
         return sum(
-            (ref - x_scaled @ fake_groupwise((w.double() * s).float(), group_size).T).pow(2).double().sum().item()
-            for w, ref in zip(weights, references, strict=True)
+            (ref - x_scaled @ fake_groupwise((w * s).float(), group_size).T).pow(2).double().sum().item()
+            for w, ref in zip(wide, references, strict=True)
         )
 
-    rtn_error = error(torch.ones_like(mean_abs, dtype=torch.float64))
+    ones = torch.ones_like(mean_abs, dtype=torch.float64)
+    rtn_error = error(ones)
     best: ScaleSearch | None = None
     for formula, alpha, s in _candidates(weights, mean_abs, group_size, formulas):
         s = s / (s.max() * s.min()).sqrt()  # keep the scales centred around 1, as the reference code does
         s = 1 / (1 / s).to(dtype).double()
-        e = error(s)
+        e = rtn_error if torch.equal(s, ones) else error(s)  # x^0 is s = 1: round-to-nearest, already scored
         if best is None or e < best.error:
             best = ScaleSearch(s, alpha, formula, e, e / rtn_error if rtn_error else 1.0)
     assert best is not None

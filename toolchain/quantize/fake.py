@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from toolchain.checkpoint.spec import spec_of
-from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, read_config
+from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
+from toolchain.errors import UserError
 from toolchain.quantize.core import fake_quant
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import dequantize
@@ -58,7 +59,10 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     for name, tensor in raw.items():
         if name.endswith(".weights_scaling_factor"):
             prefix = name.removesuffix(".weights_scaling_factor")
-            weights[f"{prefix}.weight"] = dequantize(cfg, spec, raw, prefix)
+            try:
+                weights[f"{prefix}.weight"] = dequantize(cfg, spec, raw, prefix)
+            except UserError as e:  # a scale on something that is not one of the model's linears
+                raise UserError(f"{directory / rank_file(0)}: {name}: {e}") from e
         elif name.endswith(".activation_scaling_factor"):
             activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
         elif name.endswith(".attention.kv_cache_scaling_factor"):
