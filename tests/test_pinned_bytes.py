@@ -75,25 +75,11 @@ def _hf(root: Path, family: str) -> Path:
     if out.exists():
         return out
     small = {"vocab_size": 320, "max_position_embeddings": 128}
+    qwen = {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4}
     config = {
         "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=320),
-        "qwen3": lambda: transformers.Qwen3Config(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=24,
-            **small,
-        ),
-        "qwen2": lambda: transformers.Qwen2Config(
-            hidden_size=64,
-            intermediate_size=96,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            **small,
-        ),
+        "qwen3": lambda: transformers.Qwen3Config(**qwen, num_key_value_heads=2, head_dim=24, **small),
+        "qwen2": lambda: transformers.Qwen2Config(**qwen, num_key_value_heads=2, **small),
     }[family]()
     model_cls = {
         "gpt2": transformers.GPT2LMHeadModel,
