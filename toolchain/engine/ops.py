@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -119,6 +120,31 @@ def _load(codes: torch.Tensor, a: AttentionAttrs, dtype: torch.dtype) -> torch.T
     return codes.to(dtype)
 
 
+def _memo(memo: dict[Any, Any] | None, key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """`make()`, computed once per engine call when the caller passes a `memo` (one dict per batch): what depends
+    only on the batch's geometry and the attributes in `key` (rotary angles, pool rows, masks) is the same for
+    every layer, and recomputing it per layer was a fifth of a decode step (docs/performance.md)."""
+    if memo is None:
+        return make()
+    value = memo.get(key)
+    if value is None:
+        value = memo[key] = make()
+    return value
+
+
+def _write_rows(
+    position_ids: torch.Tensor, new_lens: torch.Tensor, block_tables: torch.Tensor, kvh: int, tpb: int
+) -> torch.Tensor:
+    """Row of each new token's K per KV head in a layer's pool seen as [blocks * 2 * kv_heads * tokens_per_block,
+    head_size] (row ((block * 2 + kv) * kv_heads + head) * tokens_per_block + slot), flattened [tokens * kv_heads];
+    V's rows are these + kv_heads * tokens_per_block."""
+    positions = position_ids.long()
+    seq_of = torch.repeat_interleave(torch.arange(new_lens.shape[0]), new_lens.long())
+    blocks = block_tables.long()[seq_of, positions // tpb]
+    rows = ((blocks * (2 * kvh))[:, None] + torch.arange(kvh)[None, :]) * tpb + (positions % tpb)[:, None]
+    return rows.reshape(-1)
+
+
 def kv_cache_write(
     a: AttentionAttrs,
     qkv: torch.Tensor,
@@ -127,29 +153,72 @@ def kv_cache_write(
     new_lens: torch.Tensor,
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
+    memo: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Write the new tokens' K (after rotary) and V into `kv_cache` in place (an fp8 pool is held as uint8);
-    return q after rotary [num_tokens, heads * head_size]."""
+    return q after rotary [num_tokens, heads * head_size]. `memo`: see _memo."""
     del context_lens  # in the op's inputs for the contract; positions come from position_ids (Batch.check ties them)
     t, h, kvh, d = qkv.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     dtype = qkv.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32  # rotary never in fp16 / bf16
-    q, k, v = torch.split(qkv.to(compute), [h * d, kvh * d, kvh * d], dim=-1)
-    q, k, v = q.reshape(t, h, d), k.reshape(t, kvh, d), v.reshape(t, kvh, d)
-    positions = position_ids.long()
+    qkv = qkv.to(compute)
+    qk = qkv[:, : (h + kvh) * d].reshape(t, h + kvh, d)  # q's and k's heads, rotated together
+    v = qkv[:, (h + kvh) * d :].reshape(t, kvh, d)
     if a.rotary_style == "neox":
-        cos, sin = cos_sin(positions, d, a.rotary_base, a.rotary_scaling(), compute)
-        q = apply_rotary(q.transpose(0, 1), cos, sin).transpose(0, 1)
-        k = apply_rotary(k.transpose(0, 1), cos, sin).transpose(0, 1)
+        scaling = (a.rotary_scaling_type, a.rotary_scaling_factor, a.rotary_low_freq_factor, a.rotary_high_freq_factor)
+        cos, sin = _memo(
+            memo,
+            ("cos_sin", d, a.rotary_base, *scaling, a.rotary_original_max_positions, compute),
+            lambda: [c[:, None] for c in cos_sin(position_ids.long(), d, a.rotary_base, a.rotary_scaling(), compute)],
+        )
+        qk = apply_rotary(qk, cos, sin)  # cos / sin [tokens, 1, head_size]: the same angles for every head
     elif a.rotary_style != "none":
         raise ValueError(f"KVCacheWrite: rotary_style {a.rotary_style!r}")
-    seq_of = torch.repeat_interleave(torch.arange(new_lens.shape[0]), new_lens.long())
-    blocks = block_tables.long()[seq_of, positions // a.tokens_per_block]
-    slots = positions % a.tokens_per_block
-    pool = kv_cache[a.layer]  # a view: writes below land in the caller's pool
-    pool[blocks, 0, :, slots] = _store(k, a, pool.dtype)
-    pool[blocks, 1, :, slots] = _store(v, a, pool.dtype)
-    return q.reshape(t, h * d).to(dtype)
+    rows = _memo(
+        memo,
+        ("write_rows", kvh, a.tokens_per_block),
+        lambda: _write_rows(position_ids, new_lens, block_tables, kvh, a.tokens_per_block),
+    )
+    flat = kv_cache[a.layer].view(-1, d)  # a view: the writes land in the caller's pool (view, never a copy)
+    flat.index_copy_(0, rows, _store(qk[:, h:], a, flat.dtype).reshape(-1, d))
+    flat.index_copy_(0, rows + kvh * a.tokens_per_block, _store(v, a, flat.dtype).reshape(-1, d))
+    return qk[:, :h].reshape(t, h * d).to(dtype)
+
+
+@dataclass(frozen=True)
+class _AttentionPlan:
+    """A batch's attention geometry, the same for every layer: its multi-token sequences (prefill chunks) and,
+    for its single-token sequences (decode steps), which pool blocks to gather and which gathered slots lie past
+    a sequence's own position."""
+
+    chunks: list[tuple[int, int, int, int]]  # (sequence, first row, new tokens, cached tokens)
+    decode_rows: torch.Tensor | None  # rows of the single-token sequences; None when every row is one
+    positions: torch.Tensor  # [decodes] each one's position
+    blocks: torch.Tensor  # [decodes * gathered blocks]: block ids, a sequence's last one repeated past its end
+    stale: tuple[torch.Tensor, torch.Tensor]  # (decode, key position) pairs past the decode's own position
+
+    @classmethod
+    def of(
+        cls, positions: torch.Tensor, contexts: torch.Tensor, new_lens: torch.Tensor, tables: torch.Tensor, tpb: int
+    ) -> _AttentionPlan:
+        lens, ctxs = new_lens.tolist(), contexts.tolist()
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        chunks = [(s, starts[s], n, ctx) for s, (n, ctx) in enumerate(zip(lens, ctxs, strict=True)) if n > 1]
+        decodes = [s for s, n in enumerate(lens) if n == 1]
+        rows = None if len(decodes) == len(lens) else torch.tensor([starts[s] for s in decodes], dtype=torch.long)
+        positions = positions.long() if rows is None else positions.long()[rows]
+        if not decodes:
+            empty = torch.empty(0, dtype=torch.long)
+            return cls(chunks, rows, positions, empty, (empty, empty))
+        gathered = int(positions.max()) // tpb + 1
+        # a sequence's block columns past its last one read that last one again (masked out below, and never
+        # another sequence's block or a table entry the batch does not vouch for)
+        cols = torch.minimum(torch.arange(gathered)[None, :], (positions // tpb)[:, None])
+        blocks = tables.long()[torch.tensor(decodes)].gather(1, cols).reshape(-1)
+        past, key = (torch.arange(gathered * tpb)[None, :] > positions[:, None]).nonzero(as_tuple=True)
+        return cls(chunks, rows, positions, blocks, (past, key))
 
 
 def paged_attention(
@@ -160,83 +229,76 @@ def paged_attention(
     new_lens: torch.Tensor,
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
+    memo: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached and new tokens, read from the pool.
 
-    Sequences with several new tokens (prefill chunks) are computed one by one, in the reference model's order of
-    operations; single-token sequences (decode steps) together in one vectorised pass — the same function, summed
-    in another order, which only matters where a quantizer downstream sits on a rounding boundary."""
+    Sequences with several new tokens (prefill chunks) are computed one by one, single-token sequences (decode
+    steps) together in one pass, both through torch's fused scaled_dot_product_attention (grouped-query heads
+    without repeating K / V; scores and softmax in float32 at least). `memo`: see _memo."""
     t, h, kvh, d = q.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     dtype = q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32  # scores and softmax in fp32 at least
-    group = h // kvh
     q = q.reshape(t, h, d).to(compute)
-    positions = position_ids.long()
     pool = kv_cache[a.layer]
-    tables = block_tables.long()
-    lens, contexts = new_lens.tolist(), context_lens.tolist()
-    if lens and all(n == 1 for n in lens):  # a decode step: every sequence one query, all in one pass
-        return _decode_attention(a, q, positions, tables, pool, compute).reshape(t, h * d).to(dtype)
+    tpb, scale = a.tokens_per_block, 1 / (math.sqrt(d) * a.q_scaling)  # at q_scaling 1: SDPA's own 1 / sqrt(d)
+    plan: _AttentionPlan = _memo(
+        memo,
+        ("attention_plan", tpb),
+        lambda: _AttentionPlan.of(position_ids, context_lens, new_lens, block_tables, tpb),
+    )
+    decoded = _decode_attention(a, q if plan.decode_rows is None else q[plan.decode_rows], plan, pool, compute)
+    if plan.decode_rows is None:  # a decode step: every sequence one query
+        return decoded.reshape(t, h * d).to(dtype)
     out = torch.empty(t, h, d, dtype=compute)
-    starts = torch.cumsum(new_lens.long(), 0) - new_lens.long()
-    decodes = [s for s, n in enumerate(lens) if n == 1]
-    for s, (n, ctx) in enumerate(zip(lens, contexts, strict=True)):
-        if n <= 1:
-            continue
-        key_pos = torch.arange(ctx + n)
-        kb, ks = tables[s, key_pos // a.tokens_per_block], key_pos % a.tokens_per_block
-        keys = _load(pool[kb, 0, :, ks], a, compute).repeat_interleave(group, dim=1)  # [total, h, d]
-        values = _load(pool[kb, 1, :, ks], a, compute).repeat_interleave(group, dim=1)
-        rows = slice(int(starts[s]), int(starts[s]) + n)
-        query_pos = positions[rows][:, None]
-        allowed = key_pos[None, :] <= query_pos
+    out[plan.decode_rows] = decoded
+    positions = position_ids.long()
+    for s, start, n, ctx in plan.chunks:
+        total = ctx + n
+        blocks = -(-total // tpb)
+        # the sequence's blocks [blocks, 2, kv_heads, tpb, d] -> K and V [kv_heads, total, d]: one gather
+        kv = pool.index_select(0, block_tables[s, :blocks].long()).permute(1, 2, 0, 3, 4)
+        kv = _load(kv.reshape(2, kvh, blocks * tpb, d)[:, :, :total], a, compute)
+        query_pos, key_pos = positions[start : start + n, None], torch.arange(total)[None, :]
+        allowed = key_pos <= query_pos
         if a.sliding_window:
-            allowed &= query_pos - key_pos[None, :] < a.sliding_window
-        scores = torch.einsum("qhd,khd->hqk", q[rows], keys) / (math.sqrt(d) * a.q_scaling)
-        probs = scores.masked_fill(~allowed[None], float("-inf")).softmax(dim=-1)
-        out[rows] = torch.einsum("hqk,khd->qhd", probs, values)
-    if decodes:
-        out[starts[decodes]] = _decode_attention(
-            a, q[starts[decodes]], positions[starts[decodes]], tables[decodes], pool, compute
-        )
+            allowed &= query_pos - key_pos < a.sliding_window
+        out[start : start + n] = torch.nn.functional.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1)[None],
+            kv[0][None],
+            kv[1][None],
+            attn_mask=allowed[None, None],
+            enable_gqa=kvh != h,
+            scale=scale,
+        )[0].transpose(0, 1)
     return out.reshape(t, h * d).to(dtype)
 
 
 def _decode_attention(
-    a: AttentionAttrs,
-    q: torch.Tensor,
-    positions: torch.Tensor,
-    tables: torch.Tensor,
-    pool: torch.Tensor,
-    compute: torch.dtype,
+    a: AttentionAttrs, q: torch.Tensor, plan: _AttentionPlan, pool: torch.Tensor, compute: torch.dtype
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once: keys 0..L-1 of the longest, masked per sequence. Key
-    positions past a sequence's own length read that sequence's last token instead (masked out, but never another
-    sequence's block: a NaN there could otherwise leak through 0 * NaN). The product runs in torch's fused
-    scaled_dot_product_attention (GQA without repeating K/V): 6x faster than einsums on a decode batch of 16."""
+    """One query per sequence, all sequences at once, over the keys 0..L-1 of the longest, masked per sequence.
+    K and V come from one gather of whole blocks (16 KB copies, not 256-byte rows: 4x faster on a decode batch of
+    16); gathered slots past a sequence's position are zeroed, so stale bytes there (another request's, or NaN)
+    cannot leak through a masked score (NaN + -inf) or a zero probability (0 * NaN)."""
     n, h, d = q.shape
-    kvh = pool.shape[2]
-    query_pos = positions[:, None]
-    key_pos = torch.arange(int(positions.max()) + 1)[None, :]
+    if n == 0:
+        return q
+    kvh, tpb = pool.shape[2], a.tokens_per_block
+    gathered = plan.blocks.shape[0] // n
+    kv = pool.index_select(0, plan.blocks).view(n, gathered, 2, kvh, tpb, d).permute(2, 0, 3, 1, 4, 5)
+    kv = _load(kv.reshape(2, n, kvh, gathered * tpb, d), a, compute)
+    kv[:, plan.stale[0], :, plan.stale[1]] = 0  # a copy, never the pool: index_select copies
+    query_pos, key_pos = plan.positions[:, None], torch.arange(gathered * tpb)[None, :]
     valid = key_pos <= query_pos
     if a.sliding_window:
         valid &= query_pos - key_pos < a.sliding_window
-    own = torch.minimum(key_pos, query_pos)  # [n, L]
-    tpb = a.tokens_per_block
-    blocks = tables.gather(1, own // tpb)
-    # rows of the pool seen as [blocks * 2 * kvh * tpb, head_size]: row ((block * 2 + kv) * kvh + head) * tpb + slot;
-    # one index_select per K and V lands them as [n, kvh, L, d] (2x faster than indexing the 5-d pool, same values)
-    rows = ((blocks * (2 * kvh))[:, None, :] + torch.arange(kvh)[None, :, None]) * tpb + (own % tpb)[:, None, :]
-    flat = pool.reshape(-1, d)
-    keys = _load(flat.index_select(0, rows.reshape(-1)), a, compute).view(n, kvh, -1, d)
-    values = _load(flat.index_select(0, (rows + kvh * tpb).reshape(-1)), a, compute).view(n, kvh, -1, d)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q.view(n, h, 1, d),
-        keys,
-        values,
+        q.reshape(n, kvh, h // kvh, d),  # a KV head's query heads as its queries: GQA with no repeat of K / V
+        kv[0],
+        kv[1],
         attn_mask=valid[:, None, None, :],
-        enable_gqa=kvh != h,
-        scale=1 / (math.sqrt(d) * a.q_scaling),  # at q_scaling 1: bit-identical to SDPA's default 1 / sqrt(d)
+        scale=1 / (math.sqrt(d) * a.q_scaling),
     )
     return out.reshape(n, h, d)
 

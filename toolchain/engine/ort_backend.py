@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -203,6 +204,7 @@ class OrtEngine:
         batch.check(self.tokens_per_block)
         batch.check_blocks(kv_cache.shape[1], self.tokens_per_block)
         values: dict[str, np.ndarray] = dict(batch.feeds())
+        memo: dict[Any, Any] = {}  # the batch's geometry, worked out by the first layer's ops for all (ops._memo)
         for step in self.steps:
             if isinstance(step, _Segment):
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
@@ -218,6 +220,7 @@ class OrtEngine:
                 torch.from_numpy(values[new]),
                 torch.from_numpy(values[tables]),
                 kv_cache,
+                memo=memo,
             )
             values[step.outputs[0]] = out.numpy()
         return values["logits"]
