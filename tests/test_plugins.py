@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,35 @@ def test_decode_attention_never_reads_stale_pool_bytes() -> None:
         outs.append(paged_attention(a, q, *args, tables, pool))
     assert torch.isfinite(outs[1]).all()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_paged_attention_equals_a_naive_loop_over_sequences(window: int) -> None:
+    """Decodes of very different lengths (gathered in groups of similar length) beside prefill chunks over cached
+    prefixes, against a float64 loop that reads each sequence's keys token by token through its block table."""
+    a = AttentionAttrs(layer=1, num_heads=6, num_kv_heads=2, head_size=8, tokens_per_block=4, sliding_window=window)
+    gen = torch.Generator().manual_seed(11)
+    ctx, new = [0, 1, 3, 4, 7, 30, 61, 5, 12, 0], [1, 1, 1, 1, 1, 1, 1, 6, 3, 9]
+    per = 17
+    tables = torch.randperm(2 * 10 * per, generator=gen)[: 10 * per].reshape(10, per).to(torch.int32)
+    pool = torch.randn(2, 2 * 10 * per, 2, 2, 4, 8, generator=gen)
+    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(ctx, new, strict=True)]).to(torch.int32)
+    args = [positions, torch.tensor(ctx, dtype=torch.int32), torch.tensor(new, dtype=torch.int32), tables]
+    q = torch.randn(sum(new), 48, generator=gen)
+    out = paged_attention(a, q, *args, pool)
+    row = 0
+    for s, (c, n) in enumerate(zip(ctx, new, strict=True)):
+        keys = torch.stack([pool[1, tables[s, p // 4], 0, :, p % 4] for p in range(c + n)]).double()  # [L, kvh, d]
+        values = torch.stack([pool[1, tables[s, p // 4], 1, :, p % 4] for p in range(c + n)]).double()
+        for i in range(n):
+            pos = c + i
+            seen = [p for p in range(pos + 1) if not window or pos - p < window]
+            for head in range(6):
+                kv = head // 3
+                scores = keys[seen, kv] @ q[row, head * 8 : head * 8 + 8].double() / math.sqrt(8)
+                expected = scores.softmax(0) @ values[seen, kv]
+                torch.testing.assert_close(out[row, head * 8 : head * 8 + 8].double(), expected, rtol=0, atol=1e-5)
+            row += 1
 
 
 def test_memo_shared_by_layers_with_other_attributes_changes_nothing() -> None:

@@ -185,21 +185,44 @@ def kv_cache_write(
     return qk[:, :h].reshape(t, h * d).to(dtype)
 
 
+def _tile_rows(blocks: torch.Tensor, kvh: int) -> torch.Tensor:
+    """Rows of a layer's pool seen as [blocks * 2 * kv_heads, tokens_per_block * head_size] (one row: one block's
+    tokens of one K or V head) for block ids [..., j], ordered [K/V, ..., kv head, j]: one index_select lands them
+    as K and V [2, ..., kv_heads, j * tokens_per_block, head_size], the layout attention reads, with no permute."""
+    kv = torch.arange(2).view(2, *[1] * blocks.dim(), 1)
+    head = torch.arange(kvh).view(kvh, 1)
+    return ((blocks.unsqueeze(-2) * 2 + kv) * kvh + head).reshape(-1)
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """Single-token sequences attended together: their K / V tiles, gathered as one [2, n, kv_heads, L, d]."""
+
+    rows: torch.Tensor | None  # their rows in the batch; None: every row of the batch, in order
+    positions: torch.Tensor  # [n]
+    tiles: torch.Tensor  # pool tile rows (_tile_rows) of [n, blocks], a sequence's last block repeated past its end
+    stale_tiles: torch.Tensor  # gathered tiles wholly past their sequence's position (the repeats)
+    stale_rows: torch.Tensor  # rows [tiles * tpb] (one token of one head) of the last tiles' slots past it
+
+
 @dataclass(frozen=True)
 class _AttentionPlan:
-    """A batch's attention geometry, the same for every layer: its multi-token sequences (prefill chunks) and,
-    for its single-token sequences (decode steps), which pool blocks to gather and which gathered slots lie past
-    a sequence's own position."""
+    """A batch's attention geometry, the same for every layer: its multi-token sequences (prefill chunks) and its
+    single-token sequences (decode steps), in groups of similar length (a sequence of 300 tokens beside ones of 20
+    would have them all gather and attend over 300 slots)."""
 
     chunks: list[tuple[int, int, int, int]]  # (sequence, first row, new tokens, cached tokens)
-    decode_rows: torch.Tensor | None  # rows of the single-token sequences; None when every row is one
-    positions: torch.Tensor  # [decodes] each one's position
-    blocks: torch.Tensor  # [decodes * gathered blocks]: block ids, a sequence's last one repeated past its end
-    stale: tuple[torch.Tensor, torch.Tensor]  # (decode, key position) pairs past the decode's own position
+    decodes: list[_DecodeGroup]
 
     @classmethod
     def of(
-        cls, positions: torch.Tensor, contexts: torch.Tensor, new_lens: torch.Tensor, tables: torch.Tensor, tpb: int
+        cls,
+        positions: torch.Tensor,
+        contexts: torch.Tensor,
+        new_lens: torch.Tensor,
+        tables: torch.Tensor,
+        tpb: int,
+        kvh: int,
     ) -> _AttentionPlan:
         lens, ctxs = new_lens.tolist(), contexts.tolist()
         starts = [0]
@@ -207,18 +230,46 @@ class _AttentionPlan:
             starts.append(starts[-1] + n)
         chunks = [(s, starts[s], n, ctx) for s, (n, ctx) in enumerate(zip(lens, ctxs, strict=True)) if n > 1]
         decodes = [s for s, n in enumerate(lens) if n == 1]
-        rows = None if len(decodes) == len(lens) else torch.tensor([starts[s] for s in decodes], dtype=torch.long)
-        positions = positions.long() if rows is None else positions.long()[rows]
         if not decodes:
-            empty = torch.empty(0, dtype=torch.long)
-            return cls(chunks, rows, positions, empty, (empty, empty))
-        gathered = int(positions.max()) // tpb + 1
-        # a sequence's block columns past its last one read that last one again (masked out below, and never
+            return cls(chunks, [])
+        everything = len(decodes) == len(lens)
+        rows = torch.tensor([starts[s] for s in decodes], dtype=torch.long)
+        blocks = positions.long()[rows] // tpb + 1
+        # groups by blocks needed, in powers of two: at most 2x the tiles any sequence needs, log2(max) groups
+        bucket = torch.frexp(blocks.double() - 0.5)[1]
+        groups = []
+        for b in torch.unique(bucket).tolist():
+            members = (bucket == b).nonzero()[:, 0]
+            one = everything and members.numel() == len(decodes)
+            groups.append(
+                cls._group(
+                    None if one else rows[members],
+                    positions.long()[rows[members]],
+                    tables.long()[torch.tensor(decodes)[members]],
+                    tpb,
+                    kvh,
+                )
+            )
+        return cls(chunks, groups)
+
+    @staticmethod
+    def _group(
+        rows: torch.Tensor | None, positions: torch.Tensor, tables: torch.Tensor, tpb: int, kvh: int
+    ) -> _DecodeGroup:
+        n = positions.shape[0]
+        last = positions // tpb
+        width = int(last.max()) + 1
+        # a sequence's columns past its last block read that block again (zeroed after the gather, and never
         # another sequence's block or a table entry the batch does not vouch for)
-        cols = torch.minimum(torch.arange(gathered)[None, :], (positions // tpb)[:, None])
-        blocks = tables.long()[torch.tensor(decodes)].gather(1, cols).reshape(-1)
-        past, key = (torch.arange(gathered * tpb)[None, :] > positions[:, None]).nonzero(as_tuple=True)
-        return cls(chunks, rows, positions, blocks, (past, key))
+        cols = torch.minimum(torch.arange(width)[None, :], last[:, None])
+        tiles = _tile_rows(tables.gather(1, cols), kvh)  # [2, n, kvh, width]
+        repeat = (cols < torch.arange(width)[None, :])[None, :, None, :].expand(2, n, kvh, width)
+        stale_tiles = repeat.reshape(-1).nonzero()[:, 0]
+        # the last tile's slots past the position: [2, n, kvh, width, tpb] flattened, only at column `last`
+        past = torch.arange(tpb)[None, :] > (positions % tpb)[:, None]  # [n, tpb]
+        at = (torch.arange(width)[None, :] == last[:, None])[:, :, None] & past[:, None, :]  # [n, width, tpb]
+        stale_rows = at[None, :, None].expand(2, n, kvh, width, tpb).reshape(-1).nonzero()[:, 0]
+        return _DecodeGroup(rows, positions, tiles, stale_tiles, stale_rows)
 
 
 def paged_attention(
@@ -244,21 +295,22 @@ def paged_attention(
     tpb, scale = a.tokens_per_block, 1 / (math.sqrt(d) * a.q_scaling)  # at q_scaling 1: SDPA's own 1 / sqrt(d)
     plan: _AttentionPlan = _memo(
         memo,
-        ("attention_plan", tpb),
-        lambda: _AttentionPlan.of(position_ids, context_lens, new_lens, block_tables, tpb),
+        ("attention_plan", tpb, kvh),
+        lambda: _AttentionPlan.of(position_ids, context_lens, new_lens, block_tables, tpb, kvh),
     )
-    decoded = _decode_attention(a, q if plan.decode_rows is None else q[plan.decode_rows], plan, pool, compute)
-    if plan.decode_rows is None:  # a decode step: every sequence one query
-        return decoded.reshape(t, h * d).to(dtype)
+    if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode step: every sequence one query
+        return _decode_attention(a, q, plan.decodes[0], pool, compute).reshape(t, h * d).to(dtype)
     out = torch.empty(t, h, d, dtype=compute)
-    out[plan.decode_rows] = decoded
+    for group in plan.decodes:
+        assert group.rows is not None
+        out[group.rows] = _decode_attention(a, q[group.rows], group, pool, compute)
+    tiles = pool.view(-1, tpb * d)
     positions = position_ids.long()
     for s, start, n, ctx in plan.chunks:
         total = ctx + n
-        blocks = -(-total // tpb)
-        # the sequence's blocks [blocks, 2, kv_heads, tpb, d] -> K and V [kv_heads, total, d]: one gather
-        kv = pool.index_select(0, block_tables[s, :blocks].long()).permute(1, 2, 0, 3, 4)
-        kv = _load(kv.reshape(2, kvh, blocks * tpb, d)[:, :, :total], a, compute)
+        blocks = block_tables[s, : -(-total // tpb)].long()
+        kv = tiles.index_select(0, _tile_rows(blocks, kvh))  # K and V [2, kv_heads, blocks * tpb, d]: one gather
+        kv = _load(kv.view(2, kvh, -1, d)[:, :, :total], a, compute)
         query_pos, key_pos = positions[start : start + n, None], torch.arange(total)[None, :]
         allowed = key_pos <= query_pos
         if a.sliding_window:
@@ -275,21 +327,19 @@ def paged_attention(
 
 
 def _decode_attention(
-    a: AttentionAttrs, q: torch.Tensor, plan: _AttentionPlan, pool: torch.Tensor, compute: torch.dtype
+    a: AttentionAttrs, q: torch.Tensor, group: _DecodeGroup, pool: torch.Tensor, compute: torch.dtype
 ) -> torch.Tensor:
-    """One query per sequence, all sequences at once, over the keys 0..L-1 of the longest, masked per sequence.
-    K and V come from one gather of whole blocks (16 KB copies, not 256-byte rows: 4x faster on a decode batch of
-    16); gathered slots past a sequence's position are zeroed, so stale bytes there (another request's, or NaN)
-    cannot leak through a masked score (NaN + -inf) or a zero probability (0 * NaN)."""
+    """One query per sequence, the group's sequences at once, over the keys 0..L-1 of its longest, masked per
+    sequence. K and V come from one gather of whole tiles (a block's tokens of one head: 4 KB copies, not 256-byte
+    rows, and no permute after); gathered slots past a sequence's position are zeroed, so stale bytes there
+    (another request's, or NaN) cannot leak through a masked score (NaN + -inf) or a zero probability (0 * NaN)."""
     n, h, d = q.shape
-    if n == 0:
-        return q
     kvh, tpb = pool.shape[2], a.tokens_per_block
-    gathered = plan.blocks.shape[0] // n
-    kv = pool.index_select(0, plan.blocks).view(n, gathered, 2, kvh, tpb, d).permute(2, 0, 3, 1, 4, 5)
-    kv = _load(kv.reshape(2, n, kvh, gathered * tpb, d), a, compute)
-    kv[:, plan.stale[0], :, plan.stale[1]] = 0  # a copy, never the pool: index_select copies
-    query_pos, key_pos = plan.positions[:, None], torch.arange(gathered * tpb)[None, :]
+    kv = pool.view(-1, tpb * d).index_select(0, group.tiles)  # a copy, never the pool: zeroed in place below
+    kv.index_fill_(0, group.stale_tiles, 0)
+    kv.view(-1, d).index_fill_(0, group.stale_rows, 0)
+    kv = _load(kv.view(2, n, kvh, -1, d), a, compute)
+    query_pos, key_pos = group.positions[:, None], torch.arange(kv.shape[3])[None, :]
     valid = key_pos <= query_pos
     if a.sliding_window:
         valid &= query_pos - key_pos < a.sliding_window
