@@ -16,14 +16,17 @@ skipped with the reason printed.
    Generator's append_tokens, then generate_next_token, greedy). vLLM has no forward call: its LLMEngine is
    stepped with B requests of 1 + steps tokens; prefill ends when every request has its first token, decode is
    the rest, so its figures include its scheduler, sampler and process hops, which the others' do not.
-2. Workload: bench/ifb.py's first --requests Azure conv requests, lengths scaled to max_seq_len 256, all
-   submitted at t=0, greedy, each with its own output length: output tok/s and TTFT p90 (from submission).
+2. Workload: bench/ifb.py's first --requests Azure conv requests, lengths scaled to max_seq_len 256, greedy,
+   each with its own output length, twice per round: all submitted at t=0, and at the trace's arrival times
+   divided by --rate-scale (as bench/ifb.py): output tok/s and TTFT p90 (from each request's arrival).
    trtbuild: `replay` through LLMEngine; vLLM: its LLMEngine stepped, token times taken per step;
    transformers: continuous batching (`init_continuous_batching`, the same caps, block sharing off).
    onnxruntime-genai has no request scheduler in its Python API and sits this one out.
 
-Rounds interleave the peers (A, B, C, then again); figures are medians of the rounds; ratios are to trtbuild.
-Same limits everywhere: at most --batch sequences and --max-num-tokens tokens per step, prefix caching off.
+Rounds interleave the peers (A, B, C, then again), each after a --settle pause (a runtime's idle threads must not
+spin into the next one's time); figures are medians of the rounds; ratios are to trtbuild. Same limits everywhere:
+at most --batch sequences and --max-num-tokens tokens per step, prefix caching off. --busy N adds N processes
+that each keep a core busy for the whole run: the same comparison on a machine with other work on it.
 """
 
 from __future__ import annotations
@@ -147,7 +150,8 @@ class HF:
             manager.add_request(requests[0]["prompt"], request_id="warmup", max_new_tokens=2)
             manager.get_result(request_id="warmup", timeout=600)
             start = time.perf_counter()
-            for i, r in enumerate(requests):
+            for i, r in enumerate(requests):  # in arrival order
+                time.sleep(max(0.0, start + r["arrival"] - time.perf_counter()))
                 manager.add_request(r["prompt"], request_id=f"r{i}", max_new_tokens=r["output_tokens"],
                                     record_timestamps=True)
             results = {}
@@ -164,7 +168,8 @@ class HF:
             "completed": len(done),
             "output_tokens": sum(len(o.generated_tokens) for o in done),
             "wall_s": wall,
-            "ttft_s": [o.timestamps[0] - start for o in done if o.timestamps],
+            "ttft_s": [o.timestamps[0] - start - requests[int(o.request_id[1:])]["arrival"]
+                       for o in done if o.timestamps],
         }
 
 
@@ -235,16 +240,21 @@ class VLLM:
     def workload(self, requests):
         engine = self.llm.llm_engine
         start = time.perf_counter()
-        for i, r in enumerate(requests):
-            engine.add_request(f"r{i}", {"prompt_token_ids": r["prompt"]}, self.params(r["output_tokens"]))
-        first, tokens = {}, {}
-        while engine.has_unfinished_requests():
+        added, first, tokens = 0, {}, {}
+        while added < len(requests) or engine.has_unfinished_requests():
+            while added < len(requests) and requests[added]["arrival"] <= time.perf_counter() - start:
+                r = requests[added]
+                engine.add_request(f"r{added}", {"prompt_token_ids": r["prompt"]}, self.params(r["output_tokens"]))
+                added += 1
+            if not engine.has_unfinished_requests():  # idle until the next arrival
+                time.sleep(max(0.0, start + requests[added]["arrival"] - time.perf_counter()))
+                continue
             outs = engine.step()
             now = time.perf_counter()
             for o in outs:
                 n = len(o.outputs[0].token_ids) if o.outputs else 0
                 if n and o.request_id not in first:
-                    first[o.request_id] = now - start
+                    first[o.request_id] = now - start - requests[int(o.request_id[1:])]["arrival"]
                 if o.finished:
                     tokens[o.request_id] = n
         wall = time.perf_counter() - start
@@ -376,8 +386,9 @@ def load_note() -> str:
     return f"load average {one:.2f} (1 min) / {five:.2f} (5 min) on {cores} cores{warn}"
 
 
-def busy_jiffies() -> tuple[int, int]:
-    """(CPU time used by the whole machine, by this process and its descendants), in clock ticks."""
+def busy_jiffies(exclude: frozenset[int] = frozenset()) -> tuple[int, int]:
+    """(CPU time used by the whole machine, by this process and its descendants), in clock ticks; the `exclude`
+    pids (--busy's load) count as other work."""
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     machine = sum(int(fields[i]) for i in (0, 1, 2, 5, 6, 7))  # user nice system irq softirq steal
     stats = {}
@@ -390,7 +401,7 @@ def busy_jiffies() -> tuple[int, int]:
     ours, frontier = 0, {os.getpid()}
     while frontier:
         ours += sum(stats[p][1] for p in frontier if p in stats)
-        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier}
+        frontier = {pid for pid, (ppid, _) in stats.items() if ppid in frontier and pid not in exclude}
     return machine, ours
 
 
@@ -442,7 +453,7 @@ class TrtBuild:
         return {"ok": True, "prefill_s": t1 - t0, "decode_s": t2 - t1}
 
     def workload(self, requests: list[dict[str, Any]]) -> dict[str, Any]:
-        trace = [TraceRequest(0.0, r["prompt"], r["output_tokens"]) for r in requests]
+        trace = [TraceRequest(r["arrival"], r["prompt"], r["output_tokens"]) for r in requests]
         r = replay(self.engine, trace, prefix_sharing=False)  # prefix caching off everywhere
         keep = ("completed", "output_tokens", "wall_s")
         return {"ok": True, **{k: r[k] for k in keep}, "ttft_p90_s": r["ttft_s"]["p90"]}
@@ -486,7 +497,12 @@ def p90(values: list[float]) -> float | None:
     return float(np.percentile(values, 90)) if values else None
 
 
-def run_rounds(runners: dict[str, Any], args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
+WORKLOADS = {"t0": "", "arrivals": "_arr"}  # workload -> suffix of its sample keys
+
+
+def run_rounds(
+    runners: dict[str, Any], args: argparse.Namespace, workloads: dict[str, list[dict[str, Any]]]
+) -> dict[str, Any]:
     """samples[name][key] = one value per round."""
     ids = {
         b: torch.randint(0, 32000, (b, args.prompt), generator=torch.Generator().manual_seed(b)).tolist()
@@ -499,6 +515,7 @@ def run_rounds(runners: dict[str, Any], args: argparse.Namespace, requests: list
         for name, run in list(runners.items()):
             if name in errors:
                 continue
+            time.sleep(args.settle)
             loads.append(os.getloadavg()[0])
             print(f"round {rnd + 1}/{args.rounds}: {name} ... ({load_note()})", file=sys.stderr, flush=True)
             for b in args.batches:
@@ -509,15 +526,19 @@ def run_rounds(runners: dict[str, Any], args: argparse.Namespace, requests: list
                 samples[name].setdefault(f"prefill_{b}", []).append(b * args.prompt / r["prefill_s"])
                 decode = b * args.steps / max(r["decode_s"], 1e-9)
                 samples[name].setdefault(f"decode_{b}", []).append(decode)
-            if name in errors or not args.workload or not run.workload_ok:
-                continue
-            r = run("workload", requests)
-            if not r["ok"]:
-                errors[name] = r["error"]
-                continue
-            samples[name].setdefault("out_tok_s", []).append(r["output_tokens"] / r["wall_s"])
-            samples[name].setdefault("ttft_p90", []).append(r["ttft_p90_s"] if "ttft_p90_s" in r else p90(r["ttft_s"]))
-            samples[name].setdefault("completed", []).append(r["completed"])
+            for kind, requests in workloads.items():
+                if name in errors or not run.workload_ok:
+                    break
+                time.sleep(args.settle)
+                r = run("workload", requests)
+                if not r["ok"]:
+                    errors[name] = r["error"]
+                    break
+                key = WORKLOADS[kind]
+                samples[name].setdefault(f"out_tok_s{key}", []).append(r["output_tokens"] / r["wall_s"])
+                ttft = r["ttft_p90_s"] if "ttft_p90_s" in r else p90(r["ttft_s"])
+                samples[name].setdefault(f"ttft_p90{key}", []).append(ttft)
+                samples[name].setdefault(f"completed{key}", []).append(r["completed"])
     return {"samples": samples, "errors": errors, "loads": loads}
 
 
@@ -548,7 +569,8 @@ def table(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, 
     cols = [(f"prefill_{b}", f"prefill B={b} tok/s") for b in args.batches if b == max(args.batches)]
     cols += [(f"decode_{b}", f"decode B={b} tok/s") for b in args.batches]
     if args.workload:
-        cols += [("out_tok_s", "workload output tok/s"), ("ttft_p90", "workload TTFT p90 ms")]
+        cols += [("out_tok_s", "t=0 output tok/s"), ("ttft_p90", "t=0 TTFT p90 ms")]
+        cols += [("out_tok_s_arr", "arrivals output tok/s"), ("ttft_p90_arr", "arrivals TTFT p90 ms")]
     base = {k: statistics.median(v) for k, v in samples.get("trtbuild", {}).items()}
     lines = ["| runtime | " + " | ".join(h for _, h in cols) + " |", "|---|" + "---:|" * len(cols)]
     for name, s in samples.items():
@@ -570,7 +592,7 @@ def table(samples: dict[str, dict[str, list[float]]], args: argparse.Namespace, 
 
 
 def fmt(key: str, value: float) -> str:
-    return f"{1e3 * value:.0f}" if key == "ttft_p90" else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
+    return f"{1e3 * value:.0f}" if key.startswith("ttft_p90") else f"{value:.0f}" if value >= 100 else f"{value:.1f}"
 
 
 def main() -> None:
@@ -586,6 +608,9 @@ def main() -> None:
     ap.add_argument("--trace", type=Path, default=DATA / "traces" / "AzureLLMInferenceTrace_conv.csv")
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--no-workload", dest="workload", action="store_false")
+    ap.add_argument("--rate-scale", type=float, default=20.0, help="arrivals this many times faster than the trace")
+    ap.add_argument("--settle", type=float, default=1.0, help="seconds of pause before each runtime's turn")
+    ap.add_argument("--busy", type=int, default=0, help="processes that each keep a core busy during the rounds")
     ap.add_argument("--batch", type=int, default=16, help="max sequences per step, every runtime")
     ap.add_argument("--max-num-tokens", type=int, default=2048, help="max tokens per step, every runtime")
     ap.add_argument("--max-seq-len", type=int, default=256)
@@ -607,8 +632,9 @@ def main() -> None:
             print(f"skipping {name}: {reason}", file=sys.stderr)
     hf, ckpt = prepare(work, args)
     trt = TrtBuild(ckpt, work / "model" / f"engine-b{args.batch}-t{args.max_num_tokens}-s{args.max_seq_len}", args)
-    trace, scale = load_trace(args.trace, args.max_seq_len, trt.engine.vocab_size, args.requests)
-    requests = [{"prompt": r.prompt, "output_tokens": r.output_tokens} for r in trace]
+    trace, scale = load_trace(args.trace, args.max_seq_len, trt.engine.vocab_size, args.requests, args.rate_scale)
+    requests = [{"prompt": r.prompt, "output_tokens": r.output_tokens, "arrival": r.arrival} for r in trace]
+    workloads = {"t0": [{**r, "arrival": 0.0} for r in requests], "arrivals": requests} if args.workload else {}
     cfg = {
         "hf": str(hf),
         "work": str(work),
@@ -634,13 +660,17 @@ def main() -> None:
             print(f"{name}: loaded in {w.load['load_s']:.1f} s", file=sys.stderr)
             runners[name] = peer_runner(w)
         wait_idle(args.wait_idle)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
         before = load_note()
-        started, cpu_start = time.monotonic(), busy_jiffies()
-        out = run_rounds(runners, args, requests)
+        load_pids = frozenset(p.pid for p in busy)
+        started, cpu_start = time.monotonic(), busy_jiffies(load_pids)
+        out = run_rounds(runners, args, workloads)
         wall = time.monotonic() - started
-        others = other_cores(cpu_start, busy_jiffies(), wall)
+        others = other_cores(cpu_start, busy_jiffies(load_pids), wall)
         after = load_note()
     finally:
+        for p in busy:
+            p.kill()
         for w in workers:
             w.close()
     for name, err in out["errors"].items():
@@ -656,12 +686,14 @@ def main() -> None:
         f"during the rounds: 1-min load median {statistics.median(loads):.2f}, max {max(loads):.2f} (this benchmark "
         f"itself adds ~{os.cpu_count()}); other processes kept {others:.2f} of {os.cpu_count()} cores busy"
         + ("  WARNING: figures are pessimistic" if others > 0.2 else "")
+        + (f"; plus {args.busy} busy-loop process(es) started on purpose (--busy)" if args.busy else "")
     )
     print(
         f"random Llama {params / 1e6:.1f} M float32; prompt {args.prompt} tokens, "
         f"{args.steps} decode steps; workload: first {args.requests} requests of {args.trace.name}, lengths x "
-        f"{scale:.3f}, all at t=0; max {args.batch} sequences / {args.max_num_tokens} tokens per step; median of "
-        f"{args.rounds} interleaved rounds ({wall:.0f} s); (x) = ratio to trtbuild"
+        f"{scale:.3f}, all at t=0 and at the trace's arrivals / {args.rate_scale:g}; max {args.batch} sequences / "
+        f"{args.max_num_tokens} tokens per step; median of {args.rounds} interleaved rounds ({wall:.0f} s); "
+        "(x) = ratio to trtbuild"
     )
     print("\n".join(table(out["samples"], args)))
     print(f"\nlowest - highest of the {args.rounds} rounds:")
