@@ -85,3 +85,30 @@ def test_quality_modelopt_column_skips_with_the_reason(
     row = {"method": "w4a16_awq", "group": 32, "kv_cache": "none", "ppl_ratio": 1.1, "kld_mean": 0.2}
     line = qm.markdown([{**row, "modelopt": got}])[2]
     assert line.startswith("| w4a16_awq | 32 | none | 1.1000 / 0.20000 | ") and line.count("|") == 7
+
+
+def test_step_profile_times_every_part_of_a_decode_step(make_llama: Any, tmp_path: Path) -> None:
+    """bench/step_profile.py's instruments reach the engine's segments and plugin ops (a renamed internal would
+    leave a part at zero), and the parts it reports fit inside the step it times."""
+    import argparse
+
+    from toolchain.checkpoint.convert import convert
+    from toolchain.engine.api import open_engine
+    from toolchain.engine.build import BuildOptions, build_engine
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import step_profile
+
+    convert(make_llama(num_attention_heads=4, num_key_value_heads=2), tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(backend="onnxruntime", max_batch_size=4))
+    engine = open_engine(tmp_path / "engine")
+    saved = dict(step_profile.ort_backend.OPS)
+    try:
+        spent = step_profile.instrument(engine)  # type: ignore[arg-type]
+        args = argparse.Namespace(prompt=20, steps=6)
+        for b in (1, 4):
+            row = step_profile.profile(engine, spent, b, args)  # type: ignore[arg-type]
+            assert all(row[k] > 0 for k in step_profile.PARTS), row
+            assert sum(row[k] for k in step_profile.PARTS) < row["step"], row
+    finally:
+        step_profile.ort_backend.OPS.update(saved)  # the instrumented ops must not outlive the test
