@@ -41,3 +41,37 @@ def test_peak_rss_is_bounded_by_tensors_not_model(tmp_path: Path) -> None:
     growth = max(rss_big - rss_small, 0)
     # Holding the model would add ~180 MB; streaming adds a few tensors at most.
     assert growth < 0.25 * (big - small), (growth, big - small)
+
+
+_FAULTS = """
+import resource, sys, torch
+from pathlib import Path
+from toolchain.checkpoint.convert import convert, freed_memory_returned
+
+x, idx = torch.randn(1 << 20), torch.randint(0, 1 << 20, (5 << 18,))
+
+def faults():  # minor page faults of 50 gathers with 5 MiB results (a batch-32 decode layer's K/V is ~5 MiB)
+    for _ in range(3):
+        x.index_select(0, idx)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        x.index_select(0, idx)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+with freed_memory_returned():
+    inside = faults()
+convert(Path(sys.argv[1]), Path(sys.argv[2]))
+print(inside, faults())
+"""
+
+
+def test_conversion_leaves_later_large_temporaries_off_mmap(tmp_path: Path) -> None:
+    """convert (and quantize) have glibc return freed tensors at once (mmap for 4 MiB and more) while they run; the
+    process that goes on to run an engine (a `trtbuild run` recipe) must not keep paying a page fault per page of
+    every large temporary afterwards: that halved batch-32 decode (docs/performance.md). Counted in a fresh process,
+    since glibc's setting is process-wide."""
+    _model(tmp_path / "m", layers=1)
+    cmd = [sys.executable, "-c", _FAULTS, str(tmp_path / "m"), str(tmp_path / "out")]
+    inside, after = map(int, subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.split())
+    assert inside > 50 * 1000  # every 5 MiB result mmapped and faulted in page by page (1280 pages)
+    assert after < inside / 5, (inside, after)

@@ -204,15 +204,39 @@ def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
     return read + (math.prod(out.shape) * dtype.itemsize if copies else 0)
 
 
-def return_freed_memory() -> None:
-    """Have glibc serve allocations of 4 MiB and more with mmap, so freed tensors go back to the OS at once.
-    Its default threshold grows with use (up to 32 MiB), after which freed tensors stay in per-thread arenas
-    and RSS climbs with the number of workers. A no-op where glibc is absent."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (glibc's malloc.h)
+# What glibc's own dynamic thresholds grow to on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX = 4 MiB * sizeof(long); the trim
+# threshold follows at twice the mmap threshold). Setting either stops that growth for good, so these are the
+# closest a process can come back to its default behaviour.
+_GROWN_MMAP_THRESHOLD = 32 << 20
+_returning = 0  # depth of nested freed_memory_returned()
+
+
+@contextmanager
+def freed_memory_returned() -> Iterator[None]:
+    """Inside: glibc serves allocations of 4 MiB and more with mmap, so freed tensors go back to the OS at once (its
+    default threshold grows with use, up to 32 MiB, after which freed tensors stay in per-thread arenas and RSS climbs
+    with the number of workers). On leaving the outermost one: the thresholds glibc's own growth reaches, so the rest
+    of the process does not pay a page fault per large temporary: an engine run after convert in one pipeline (a
+    `trtbuild run` recipe, bench/engine.py) decoded at batch 32 at half speed while the 4 MiB setting outlived the
+    conversion (docs/performance.md). A no-op where glibc is absent."""
+    global _returning
     try:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 4 << 20)  # M_MMAP_THRESHOLD (malloc.h); setting it also stops the dynamic growth
+        mallopt = libc.mallopt
     except (OSError, AttributeError):
-        pass
+        yield
+        return
+    if _returning == 0:
+        mallopt(_M_MMAP_THRESHOLD, 4 << 20)
+    _returning += 1
+    try:
+        yield
+    finally:
+        _returning -= 1
+        if _returning == 0:
+            mallopt(_M_MMAP_THRESHOLD, _GROWN_MMAP_THRESHOLD)
+            mallopt(_M_TRIM_THRESHOLD, 2 * _GROWN_MMAP_THRESHOLD)
 
 
 def write_stage(
@@ -278,8 +302,7 @@ def convert(
         f"converting {plan.architecture} from {model_dir} ({cfg.dtype}, tp={tp} pp={pp}, "
         f"{plan.num_tensors} tensors, {workers} worker(s))"
     )
-    return_freed_memory()
-    with atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
+    with freed_memory_returned(), atomic_dir(out_dir, force, inputs=(model_dir,)) as tmp, _cancel_on_error(record):
         index = [ckpt.root / SAFETENSORS_INDEX] if (ckpt.root / SAFETENSORS_INDEX).is_file() else []
         record.add_inputs(ckpt.root, [ckpt.root / "config.json", *ckpt.weight_files, *index, *ckpt.tokenizer_files()])
         write_config(tmp, cfg)

@@ -26,7 +26,7 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint.convert import return_freed_memory
+from toolchain.checkpoint.convert import freed_memory_returned
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
 from toolchain.checkpoint.spec import ModelSpec, spec_of
@@ -235,6 +235,7 @@ def _quantize_layerwise(
     return out, calib, choices
 
 
+@freed_memory_returned()  # freed per-layer tensors go back to the OS instead of staying in malloc's arenas
 def quantize_checkpoint(
     source: Path,
     out_dir: Path,
@@ -246,7 +247,6 @@ def quantize_checkpoint(
 ) -> dict[str, Any]:
     _check_held_out(opts, eval_data)
     cfg = read_config(source)
-    return_freed_memory()  # freed per-layer tensors go back to the OS instead of staying in malloc's arenas
     if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
         raise UserError(f"{source} is already quantized ({cfg.quantization.quant_algo}); quantize the unquantized one")
     if cfg.mapping.world_size != 1:
