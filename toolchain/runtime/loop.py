@@ -189,6 +189,7 @@ class Runtime:
             if s.request.params.temperature != 0 and s.context_len + len(s.tokens) >= len(s.request.tokens)
         ]
         step = self.engine.forward_tokens(batch, self.pool, sampled)
+        greedy_ids = step.greedy.tolist()  # Python ints at once: indexing numpy per row costs ~10x more
         self.steps += 1
         tpb = self.blocks.tokens_per_block
         for i, s in enumerate(scheduled):
@@ -204,7 +205,7 @@ class Runtime:
                 continue
             try:
                 greedy = request.params.temperature == 0
-                token = int(step.greedy[i]) if greedy else sample(step.rows[i], request.params, request.generator)
+                token = greedy_ids[i] if greedy else sample(step.rows[i], request.params, request.generator)
             except (RuntimeError, ValueError) as e:  # this request's logits or parameters: not the batch's problem
                 self._retire(request, Status.FAILED, "error", f"sampling failed: {e}")
                 ended.append(request)
