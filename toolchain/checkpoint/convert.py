@@ -222,9 +222,10 @@ def freed_memory_returned() -> Iterator[None]:
     conversion (docs/performance.md). A no-op where glibc is absent."""
     global _returning
     try:
-        libc = ctypes.CDLL("libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:  # yielded outside the except: the body's own errors must not chain to a missing libc
         yield
         return
     if _returning == 0:
