@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/engine.py
 	$(BIN)/python bench/ifb.py
 	$(BIN)/python bench/step_overhead.py
+	$(BIN)/python bench/step_profile.py
 	$(BIN)/python bench/serve.py --no-aiperf
 	@echo "peers (onnxruntime-genai, vLLM CPU, in their own venvs): $(BIN)/python bench/peers.py --setup"
 
