@@ -299,11 +299,11 @@ def paged_attention(
         lambda: _AttentionPlan.of(position_ids, context_lens, new_lens, block_tables, tpb, kvh),
     )
     if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode step: every sequence one query
-        return _decode_attention(a, q, plan.decodes[0], pool, compute).reshape(t, h * d).to(dtype)
+        return _decode_attention(a, q, plan.decodes[0], pool, compute, scale).reshape(t, h * d).to(dtype)
     out = torch.empty(t, h, d, dtype=compute)
     for group in plan.decodes:
         assert group.rows is not None
-        out[group.rows] = _decode_attention(a, q[group.rows], group, pool, compute)
+        out[group.rows] = _decode_attention(a, q[group.rows], group, pool, compute, scale)
     tiles = pool.view(-1, tpb * d)
     positions = position_ids.long()
     for s, start, n, ctx in plan.chunks:
@@ -327,7 +327,7 @@ def paged_attention(
 
 
 def _decode_attention(
-    a: AttentionAttrs, q: torch.Tensor, group: _DecodeGroup, pool: torch.Tensor, compute: torch.dtype
+    a: AttentionAttrs, q: torch.Tensor, group: _DecodeGroup, pool: torch.Tensor, compute: torch.dtype, scale: float
 ) -> torch.Tensor:
     """One query per sequence, the group's sequences at once, over the keys 0..L-1 of its longest, masked per
     sequence. K and V come from one gather of whole tiles (a block's tokens of one head: 4 KB copies, not 256-byte
@@ -348,7 +348,7 @@ def _decode_attention(
         kv[0],
         kv[1],
         attn_mask=valid[:, None, None, :],
-        scale=1 / (math.sqrt(d) * a.q_scaling),
+        scale=scale,
     )
     return out.reshape(n, h, d)
 
