@@ -11,6 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from toolchain import seeded
 from toolchain.cli import app
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
@@ -29,19 +30,25 @@ BASE: dict[str, Any] = {
 }
 
 
+def wide_init(is_norm: Callable[[str], bool]) -> seeded.Init:
+    """Test models' weights, the same bytes on every CPU (toolchain.seeded): norm weights around 1 (std 0.2),
+    everything else std 0.15."""
+
+    def value(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+        if is_norm(name):
+            return seeded.normal(p.shape, gen, std=0.2, mean=1.0, dtype=p.dtype)
+        return seeded.normal(p.shape, gen, std=0.15, dtype=p.dtype)
+
+    return value
+
+
 def save_random_llama(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides: Any) -> Path:
     """A random Llama saved by transformers. Weights are drawn wide (norms around 1, not exactly 1) so that a
     swapped tensor or a wrong rotary changes the logits and their argmax by a clear margin."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**{**BASE, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0, 0.15)
+    seeded.fill_(list(model.named_parameters()), seed, wide_init(lambda name: name.endswith("norm.weight")))
     model.to(dtype).save_pretrained(path, safe_serialization=True)
     return path
 

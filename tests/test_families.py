@@ -8,12 +8,18 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BASE
+from conftest import BASE, wide_init
 from safetensors.torch import load_file, save_file
 from test_convert_llama import compare
 
+from toolchain import seeded
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.trtllm import read_config
+
+
+def _is_norm_weight(name: str) -> bool:
+    is_norm = "norm" in name or ".ln_" in name or name.startswith(("ln_f", "transformer.ln_f"))
+    return is_norm and name.endswith("weight")
 
 
 def save_random(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
@@ -29,14 +35,8 @@ def save_random(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
     }[arch]
     gpt2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 64}
     base: dict[str, Any] = gpt2 if arch == "gpt2" else BASE
-    torch.manual_seed(seed)
     model = model_cls(config_cls(**{**base, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            is_norm = "norm" in name or ".ln_" in name or name.startswith(("ln_f", "transformer.ln_f"))
-            p.copy_(
-                1 + 0.2 * torch.randn_like(p) if is_norm and name.endswith("weight") else 0.15 * torch.randn_like(p)
-            )
+    seeded.fill_(list(model.named_parameters()), seed, wide_init(_is_norm_weight))
     model.save_pretrained(path, safe_serialization=True)
     return path
 

@@ -27,7 +27,7 @@ def test_smoothing_alone_leaves_the_logits_unchanged(arch: str, tmp_path: Path) 
     cfg, weights = read_config(tmp_path / "ckpt"), load_rank(tmp_path / "ckpt", 0)
     ids = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
     base = ReferenceModel(cfg, weights, torch.float64)
-    run = LayerwiseCalibration(ReferenceModel(cfg, weights), ids)
+    run = LayerwiseCalibration(cfg, weights, ids)
     for i in range(cfg.num_hidden_layers):
         run.layer(i)
     calib = run.finish()

@@ -1,7 +1,8 @@
 """The embedded default model: a small random Llama in Hugging Face format, made here, never downloaded.
 
 Fixed seed, a few MB, GQA 4:1, untied head, with a byte-level tokenizer, so the whole pipeline can run on
-a fresh machine with no data and no network.
+a fresh machine with no data and no network. The weights come from `toolchain.seeded`, so a seed gives the same
+bytes on every CPU (transformers' own initialisation draws through torch's ISA-dependent normal generator).
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from toolchain import seeded
 from toolchain.atomic import atomic_dir
 from toolchain.manifest import StageRecord
+
+INIT_STD = 0.02  # LlamaConfig's initializer_range: the spread transformers would draw the matrices with
 
 # Byte-level BPE without merges: every byte is a token, plus the three Llama specials.
 SPECIALS = ("<unk>", "<s>", "</s>")
@@ -61,8 +63,8 @@ def make_tiny_llama(out: Path, seed: int = 0, force: bool = False) -> dict[str, 
 
     record = StageRecord("tiny-model", details={"seed": seed, "config": CONFIG})
     with atomic_dir(out, force) as tmp:
-        torch.manual_seed(seed)
         model = LlamaForCausalLM(LlamaConfig(**CONFIG, dtype="float32"))
+        seeded.fill_(list(model.named_parameters()), seed, seeded.matrices(INIT_STD))
         model.save_pretrained(tmp, safe_serialization=True)
         byte_level_tokenizer().save_pretrained(tmp)
         manifest = record.write(tmp)

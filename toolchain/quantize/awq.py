@@ -132,18 +132,19 @@ def search_scale(
 ) -> ScaleSearch:
     """One s (float64 [in]) for linears sharing `inputs` [rows, in], minimising Σ ||x Wᵀ - (x / s) Q(W s)ᵀ||² over
     the candidates of `formulas` (the first of equals wins). s is rounded through 1/s in `dtype`, the
-    `prequant_scaling_factor` the run time multiplies by, so weight and input scaling cancel exactly. Products in
-    float32 (int4 rounding error is orders of magnitude above float32's), scales in float64."""
+    `prequant_scaling_factor` the run time multiplies by, so weight and input scaling cancel exactly. Products,
+    errors and scales in float64: the errors decide which candidate wins, and in float32 their last bits (and so,
+    between close candidates, the winner) followed the CPU's matmul kernels (docs/conversion.md)."""
     unknown = set(formulas) - set(FORMULAS)
     assert formulas and not unknown, f"scale formulas {sorted(unknown)} are none of {FORMULAS}"
-    x = inputs.float()
-    references = [x @ w.float().T for w in weights]
+    x = inputs.double()
     wide = [w.double() for w in weights]  # once, not once per candidate
+    references = [x @ w.T for w in wide]
 
     def error(s: torch.Tensor) -> float:
-        x_scaled = x / s.float()
+        x_scaled = x / s
         return sum(
-            (ref - x_scaled @ fake_groupwise((w * s).float(), group_size).T).pow(2).double().sum().item()
+            (ref - x_scaled @ fake_groupwise((w * s).float(), group_size).double().T).pow(2).sum().item()
             for w, ref in zip(wide, references, strict=True)
         )
 
@@ -179,8 +180,9 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int) -> 
     """Clip ratio per output channel and group (float32 [out, groups]) of `weight` [out, in] (already scaled)
     minimising E[(x_g · (w_g - Q(w_g)))²] over `inputs` [rows, in] (already divided by s), each group's partial
     dot product on its own, as the paper's reference code does. Ratio 1 (no clipping) is a candidate, so no group
-    gets worse than round-to-nearest on these inputs."""
-    w, x = _padded(weight, group_size), _padded(inputs, group_size)
+    gets worse than round-to-nearest on these inputs. Errors in float64, the first of equals kept (as the scale
+    search's)."""
+    w, x = _padded(weight, group_size), F.pad(inputs.double(), (0, -inputs.shape[1] % group_size))
     out_dim, in_dim = w.shape
     groups = in_dim // group_size
     xg = x.reshape(-1, groups, group_size)
@@ -189,7 +191,7 @@ def search_clip(weight: torch.Tensor, inputs: torch.Tensor, group_size: int) -> 
     for k in range(int(CLIP_GRID * CLIP_MAX_SHRINK)):
         ratio = torch.full((out_dim, groups), 1 - k / CLIP_GRID)
         codes, scale = quantize_groupwise(clip_groups(w, ratio, group_size), group_size)
-        d = (w - dequantize_groupwise(codes, scale)).reshape(out_dim, groups, group_size)
+        d = (w - dequantize_groupwise(codes, scale)).double().reshape(out_dim, groups, group_size)
         error = torch.einsum("ogi,gij,ogj->og", d, gram, d)
         if best_error is None or best_ratio is None:
             best_error, best_ratio = error, ratio
@@ -215,7 +217,7 @@ def search_group(
     """Both searches for linears reading one input: a shared s, then each linear's own clip ratios."""
     found = search_scale(list(weights.values()), inputs, mean_abs, group_size, dtype)
     s = found.scale
-    x_scaled = (inputs.double() / s).float()
+    x_scaled = inputs.double() / s
     return {
         prefix: AwqChoice(
             s,

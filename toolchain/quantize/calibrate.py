@@ -4,7 +4,13 @@ largest |input| overall and per input channel (activation scales, SmoothQuant), 
 every calibration token and a bounded sample of input rows spread evenly over all of them (AWQ's searches), and per
 attention layer the largest |k| and |v| as the KV cache stores them (after rotary) with a bounded sample of token
 rows of k and v (the INT8 KV scale's clip search). Only running statistics and bounded row samples are kept, never
-all activations."""
+all activations.
+
+The forward runs in float64 (`CALIB_DTYPE`), whatever the checkpoint's dtype, so that the statistics do not depend
+on the machine: a float32 forward's sums follow the CPU's matmul kernels (AVX2 and AVX-512 add in different orders),
+and their last bits decided the scales, so the bytes of a calibrated checkpoint changed with the CPU. In float64 two
+machines differ by ~1e-16 relative, far below the one rounding to float32 every statistic goes through on its way
+into a scale (docs/conversion.md, "Same bytes on any CPU")."""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 from toolchain.quantize.core import fake_quant
 from toolchain.reference.model import Hooks, ReferenceModel
@@ -20,6 +27,7 @@ SAMPLE_ROWS = 4096  # input rows kept per linear for AWQ's searches: bounded, wh
 KV_SAMPLE_ROWS = 1024  # token rows of [k | v] kept per attention layer for the INT8 KV scale's clip search
 KV_CLIP = tuple(1 - i / 40 for i in range(19))  # INT8 KV clip ratios: 1, 0.975, ..., 0.55
 CALIB_BATCH = 8  # calibration windows per forward batch
+CALIB_DTYPE = torch.float64  # the calibration forward's and the searches' precision (module docstring)
 
 
 @dataclass
@@ -57,11 +65,11 @@ class Observer(Hooks):
     @staticmethod
     def _sample(kept: torch.Tensor | None, rows: torch.Tensor, counted: int, every: int, limit: int) -> torch.Tensor:
         """`kept` plus this batch's rows at token counted + i ≡ 0 (mod every): one stride over all batches."""
-        kept = rows[:0].float() if kept is None else kept
+        kept = rows[:0].to(CALIB_DTYPE) if kept is None else kept
         if kept.shape[0] >= limit:
             return kept
         picked = rows[-counted % every :: every]
-        return torch.cat([kept, picked[: limit - kept.shape[0]].float()])
+        return torch.cat([kept, picked[: limit - kept.shape[0]].to(CALIB_DTYPE)])
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         c = self.calibration
@@ -109,12 +117,13 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
 
 
 class LayerwiseCalibration:
-    """The calibration windows' hidden states carried through `model` one decoder layer at a time, every linear's
-    input and every KV cache observed on the way into `calibration`: the quantize stage's driver holds one layer's
-    weights at a time this way (`layer(i, weights)`), and gets the statistics the full forward would give."""
+    """The calibration windows' hidden states carried through the model one decoder layer at a time (in
+    `CALIB_DTYPE`), every linear's input and every KV cache observed on the way into `calibration`: the quantize
+    stage's driver holds one layer's weights at a time this way (`layer(i, weights)`), and gets the statistics the
+    full forward would give. `weights`: the tensors outside the layers, or the whole model's."""
 
-    def __init__(self, model: ReferenceModel, windows: torch.Tensor) -> None:
-        self.model = model
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], windows: torch.Tensor) -> None:
+        self.model = model = ReferenceModel(config, weights, CALIB_DTYPE)
         self.calibration = Calibration.for_tokens(windows.numel())
         self.observer = Observer(self.calibration)
         model.hooks = self.observer

@@ -50,7 +50,10 @@ def smoothing_scales(x_amax: torch.Tensor, weights: list[torch.Tensor], alpha: f
     w_amax = torch.stack([w.double().abs().amax(0) for w in weights]).amax(0)
     x_amax = x_amax.double()
     s = x_amax.clamp_min(S_MIN).pow(alpha) / w_amax.clamp_min(S_MIN).pow(1 - alpha)
-    return torch.where((x_amax > 0) & (w_amax > 0), s, torch.ones_like(s))
+    s = torch.where((x_amax > 0) & (w_amax > 0), s, torch.ones_like(s))
+    # rounded to float32 once: `pow`'s last float64 bit follows the CPU's vector math library, and W·s of a float32
+    # W and a float32 s is exact in float64, so the migrated weights round once, alike on every machine
+    return s.float().double()
 
 
 def smoothing_error(
@@ -58,20 +61,21 @@ def smoothing_error(
 ) -> float:
     """Summed squared output error, over the linears sharing input rows x [rows, in], of int8(x/s) · int8(W·s)ᵀ
     against `reference` (x · Wᵀ per linear); the activation scale is the calibration maximum of x/s over 127, as
-    the stage sets it. Products in float32, as AWQ's search: the error ranks α, it is not a result."""
+    the stage sets it. Products in float64, as AWQ's search: the errors rank α, and in float32 their last bits followed
+    the CPU's matmul kernels."""
     act = (x_amax.double() / s).max().item() / 127
-    xq = fake_quant(x.double() / s, act if act > 0 else 1.0, "INT8").float()
+    xq = fake_quant(x.double() / s, act if act > 0 else 1.0, "INT8")
     error = 0.0
     for w, ref in zip(weights, reference, strict=True):
         codes, scale = quantize_per_channel((w.double() * s).to(w.dtype))
-        error += (xq @ (codes.float() * scale[:, None]).T - ref).pow(2).sum().item()
+        error += (xq @ (codes.double() * scale.double()[:, None]).T - ref).pow(2).sum().item()
     return error
 
 
 def search_alpha(x: torch.Tensor, x_amax: torch.Tensor, weights: list[torch.Tensor]) -> AlphaChoice:
     """The α of ALPHA_GRID with the least `smoothing_error` on x (the first of equals)."""
-    x = x.float()
-    reference = [x @ w.float().T for w in weights]
+    x = x.double()
+    reference = [x @ w.double().T for w in weights]
     errors = {
         a: smoothing_error(x, x_amax, weights, smoothing_scales(x_amax, weights, a), reference) for a in ALPHA_GRID
     }

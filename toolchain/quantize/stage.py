@@ -215,7 +215,7 @@ def _quantize_layerwise(
 
         run: LayerwiseCalibration | None = None
         if windows is not None:
-            run = LayerwiseCalibration(ReferenceModel(cfg, load(_outside_layers(spec))), windows)
+            run = LayerwiseCalibration(cfg, load(_outside_layers(spec)), windows)
         calib = run.calibration if run else Calibration()
         ctx = Context(opts.group_size, cfg.torch_dtype, opts.sq_alpha, calib)
         for ls in spec.layers:
