@@ -251,6 +251,16 @@ def _versions(side: Side) -> dict[str, Any]:
     return out
 
 
+def _machine(side: Side) -> dict[str, Any]:
+    """Where each stage ran (manifest.machine): context, not part of what was built (`CONTEXT_SECTIONS`)."""
+    out: dict[str, Any] = {}
+    for stage in ("quantize", "build"):
+        host = (side.manifests.get(stage) or {}).get("host") or {}
+        keys = ("cpu", "arch", "isa", "cpu_capability", "torch_threads")
+        out.update({f"{stage}.{k}": host.get(k) for k in keys if stage == "build" or stage in side.manifests})
+    return out
+
+
 def _recipe(side: Side) -> dict[str, Any]:
     if side.recipe is None:
         return {"(none: built by single commands)": True}
@@ -265,7 +275,11 @@ SECTIONS: dict[str, Callable[[Side], dict[str, Any] | _Unknown]] = {  # the chan
     "build": _build,
     "engine files": _engine_files,
     "versions": _versions,
+    "machine": _machine,
 }
+# Sections that say where a build was made, not what it is: a difference there is shown but is not a change, so one
+# recipe built on two CPUs (byte-identical, docs/conversion.md) reads as identical builds on different machines.
+CONTEXT_SECTIONS = ("machine",)
 
 
 def changes(old: Side, new: Side) -> list[dict[str, Any]]:
@@ -281,6 +295,8 @@ def changes(old: Side, new: Side) -> list[dict[str, Any]]:
             unknown = [label for label, v in (("OLD", x), ("NEW", y)) if v is UNKNOWN]
             row = {"section": section, "key": key, "old": None if x is UNKNOWN else x}
             row.update(new=None if y is UNKNOWN else y, changed=not unknown and x != y)
+            if section in CONTEXT_SECTIONS:
+                row["context"] = True
             rows.append({**row, "unknown": unknown} if unknown else row)
     return rows
 
@@ -525,13 +541,15 @@ def diff(
     if opts.reference is not None and data is None:
         raise UserError(f"--reference {opts.reference}: both engines are scored against it on --data; pass --data")
     rows = changes(old, new)
+    built = [r for r in rows if not r.get("context")]
     result: dict[str, Any] = {
         "old": old.describe(),
         "new": new.describe(),
         "changes": rows,
-        "changed": sum(r["changed"] for r in rows),
-        "unknown": sum("unknown" in r for r in rows),
-        "same_build": not any(r["changed"] or "unknown" in r for r in rows),
+        "changed": sum(r["changed"] for r in built),
+        "unknown": sum("unknown" in r for r in built),
+        "same_build": not any(r["changed"] or "unknown" in r for r in built),
+        "same_machine": not any(r["changed"] for r in rows if r.get("context")),
         "data": str(data.resolve()) if data else None,
         "quality": None,
         "quality_refused": refusal if opts.data or opts.golden else None,  # asked for, and refused

@@ -101,6 +101,48 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# The SIMD extensions torch's CPU kernels dispatch on (x86-64: /proc/cpuinfo "flags"; aarch64: "Features"): what
+# could make two machines compute differently. Other flags say nothing about the numbers and are left out.
+ISA_FLAGS = (
+    "sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni",
+    "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve", "sve2", "bf16", "i8mm",
+)  # fmt: skip
+
+
+def _isa_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                present = set(line.split(":", 1)[1].split())
+                return [flag for flag in ISA_FLAGS if flag in present]
+    except OSError:
+        pass
+    return []
+
+
+def machine() -> dict[str, Any]:
+    """What computes the numbers here: CPU model, architecture, its SIMD flags, the kernel set torch dispatches to
+    (`torch.backends.cpu.get_cpu_capability()`, which ATEN_CPU_CAPABILITY can lower) and torch's thread count.
+    The bytes of every artifact are meant not to depend on any of it (docs/conversion.md); `diff` shows it apart
+    from what was built, so that one build made on two machines reads "identical builds, different machines"."""
+    torch_cpu: dict[str, Any] = {"cpu_capability": None, "torch_threads": None}
+    if "torch" in sys.modules:  # a stage that computed imported torch; one that did not has no kernel set to record
+        torch = sys.modules["torch"]
+        torch_cpu = {
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch_threads": torch.get_num_threads(),
+        }
+    return {
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "arch": platform.machine(),
+        "isa": _isa_flags(),
+        **torch_cpu,
+    }
+
+
 def _git_commit() -> dict[str, Any]:
     src = Path(__file__).resolve().parent.parent
     # Only a checkout of trtbuild itself: an installed copy inside a user's repo must not record their HEAD.
@@ -117,12 +159,7 @@ def environment() -> dict[str, Any]:
     packages["tensorrt"] = _tensorrt_version()
     return {
         "toolchain": {"version": __version__, **_git_commit()},
-        "host": {
-            "os": platform.platform(),
-            "python": platform.python_version(),
-            "cpu": _cpu_model(),
-            "cpu_count": os.cpu_count(),
-        },
+        "host": machine(),
         "packages": packages,
         "gpu": gpu_info(),
     }

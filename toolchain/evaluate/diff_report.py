@@ -49,8 +49,12 @@ def change_lines(result: dict[str, Any]) -> list[tuple[str, str, str, str]]:
 
 def summary_line(result: dict[str, Any]) -> str:
     if result["same_build"]:
-        return "identical builds: same source weights, recipe, quantization, limits, backend, engine files and versions"
-    rows = result["changes"]
+        same = "same source weights, recipe, quantization, limits, backend, engine files and versions"
+        if result.get("same_machine", True):
+            return f"identical builds: {same}"
+        moved = [r["key"] for r in result["changes"] if r.get("context") and r["changed"]]
+        return f"identical builds on different machines: {same}; the machines differ in {', '.join(moved)}"
+    rows = [r for r in result["changes"] if not r.get("context")]
     unknown = [r for r in rows if r.get("unknown")]
     line = f"{result['changed']} of {len(rows) - len(unknown)} recorded settings differ"
     if unknown:
