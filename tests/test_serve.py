@@ -539,7 +539,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(engine_dir: Path, tmp_pa
     log = tmp_path / "stderr.txt"
     with log.open("w") as stderr:
         proc = subprocess.Popen(
-            _cli(str(engine_dir), "--port", str(port), "--drain-timeout", "10", "--served-model-name", MODEL),
+            _cli(str(engine_dir), "--port", str(port), "--drain-timeout", "120", "--served-model-name", MODEL),
             stdout=subprocess.DEVNULL,
             stderr=stderr,
         )
