@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_line_error, save_random_llama
+from conftest import one_line_error, reseal, save_random_llama
 
 from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.diff import check_gates
@@ -238,7 +238,8 @@ def test_bad_input(cli: Any, builds: dict[str, Path], tmp_path: Path) -> None:
     no_manifest = tmp_path / "copy"
     shutil.copytree(builds["w8a16"] / "engine", no_manifest)
     (no_manifest / "manifest.json").unlink()
-    assert "manifest.json not found" in one_line_error(cli("diff", builds["fp32"], no_manifest))
+    unproven = cli("diff", builds["fp32"], no_manifest)  # nothing proves what it is: integrity's exit 4
+    assert unproven.exit_code == 4 and "no manifest.json, so nothing proves" in unproven.stderr
     assert "neither an engine dir" in one_line_error(cli("diff", builds["fp32"], tmp_path))
     assert "unknown gate" in one_line_error(cli("diff", builds["fp32"], builds["w8a16"], "--gate", "kld_max=1"))
     assert "pass --golden" in one_line_error(
@@ -259,6 +260,7 @@ def test_different_tokenizers_refuse_quality(cli: Any, builds: dict[str, Path], 
     names = sorted((k for k in vocab if vocab[k] > 2), key=vocab.__getitem__)
     vocab.update(zip(names, sorted((vocab[k] for k in names), reverse=True), strict=True))
     (other / "tokenizer.json").write_text(json.dumps(tokenizer))
+    reseal(other)  # as a build with that tokenizer would have recorded it
     golden = one_line_error(cli("diff", builds["fp32"], other, "--golden", GOLDEN))
     assert "tokenize the prompts of" in golden and "tokenizers differ" in golden
     data = one_line_error(cli("diff", builds["fp32"], other, *QUICK))

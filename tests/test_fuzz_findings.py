@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_line_error
+from conftest import one_line_error, reseal
 from test_bad_input import nothing_written
 
 from toolchain.errors import UserError
@@ -163,6 +163,7 @@ def test_engine_limits_are_checked_when_the_engine_is_opened(
     config["limits"][key] = value
     engine = engine_copy(tiny_engine, tmp_path / "engine")
     (engine / "build_config.json").write_text(json.dumps(config))
+    reseal(engine)  # as if a build had written these limits: the spec's own checks, past the integrity check
     with deadline(60):
         line = one_line_error(cli("generate", engine, "--prompt", "Once upon", "--max-new-tokens", "2"))
     assert f"{engine / 'build_config.json'}: " in line and f"limits.{key} is {value!r}" in line
@@ -172,21 +173,24 @@ def test_engine_limits_are_checked_when_the_engine_is_opened(
 def test_a_missing_engine_limit_is_named(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:
     config = json.loads((tiny_engine / "build_config.json").read_text())
     del config["limits"]["max_num_tokens"]
-    engine = tmp_path / "engine"
-    engine.mkdir()
+    engine = engine_copy(tiny_engine, tmp_path / "engine")
     (engine / "build_config.json").write_text(json.dumps(config))
+    reseal(engine)
     line = one_line_error(cli("bench", engine, "--trace", tmp_path / "t.jsonl"))
     assert "build_config.json: key 'max_num_tokens' is missing" in line
 
 
 @pytest.mark.parametrize("kind", ["dev-zero", "fifo", "directory"])
 def test_engine_files_that_are_not_files(kind: str, cli: Any, tiny_engine: Path, tmp_path: Path) -> None:
-    for name in ("build_config.json", "manifest.json", "tokenizer.json"):
+    # build_config.json: no engine dir to check (exit 1); the others: an engine not as recorded (exit 4, integrity)
+    for name, code in (("build_config.json", 1), ("manifest.json", 4), ("tokenizer.json", 4)):
         engine = engine_copy(tiny_engine, tmp_path / f"{name}-engine")
         not_a_file(engine / name, kind)
         with deadline(60):
-            line = one_line_error(cli("generate", engine, "--prompt", "Once upon", "--max-new-tokens", "2"))
-        assert f"{engine / name}: not a regular file" in line
+            result = cli("generate", engine, "--prompt", "Once upon", "--max-new-tokens", "2")
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.exit_code == code and len(errors) == 1, (name, result.exit_code, result.stderr)
+        assert f"{engine / name}: not a regular file" in errors[0] or f"not a regular file: {name}" in errors[0]
 
 
 # -- traces -----------------------------------------------------------------------------------------------------

@@ -618,8 +618,8 @@ def test_the_cli_refuses_to_start_unsafe_or_tampered(engine_dir: Path, tmp_path:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    for proc, (_, stderr) in zip(procs, outputs, strict=True):
-        assert proc.returncode == 1, stderr
+    for proc, (_, stderr), code in zip(procs, outputs, (1, 4), strict=True):  # 4: integrity.EXIT_CODE
+        assert proc.returncode == code, stderr
         lines = [ln for ln in stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and lines[0].startswith("error:"), stderr
     assert "--api-keys" in outputs[0][1] and "0.0.0.0" in outputs[0][1]

@@ -109,7 +109,7 @@ def _handled() -> Iterator[None]:
         if os.environ.get("TRTBUILD_DEBUG"):
             raise
         console.err.print(f"error: {e}", style="red", markup=False, soft_wrap=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(e.exit_code) from None
     except KeyboardInterrupt:
         if os.environ.get("TRTBUILD_DEBUG"):
             raise
@@ -530,10 +530,11 @@ def generate(
     with _handled():
         if not 0 < top_p <= 1:
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
+        engine = open_engine(engine_dir)  # first: the tokenizer is one of the files it checks
         tok = load_tokenizer(engine_dir)
         eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
         params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
-        with LLMEngine(open_engine(engine_dir), tok) as llm:
+        with LLMEngine(engine, tok) as llm:
             events = llm.submit(prompt, params)
             ids, pieces = [], []
             for event in events:

@@ -28,6 +28,7 @@ import torch
 from toolchain import console
 from toolchain.engine.api import BUILD_CONFIG, Engine, open_engine
 from toolchain.errors import UserError
+from toolchain.integrity import check_engine
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
 
 STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine"}  # as pipeline.STAGE_DIRS
@@ -121,6 +122,7 @@ def load_side(path: Path, label: str) -> Side:
         )
     if kind == "run":
         read_manifest(path)  # a run dir without its own manifest was not finished
+    check_engine(engine_dir)  # every fact below comes from its manifest: the bytes must be the ones it records
     manifests = {"build": read_manifest(engine_dir)}
     run_dir = path if kind == "run" else _enclosing_run(engine_dir)
     if run_dir is not None:

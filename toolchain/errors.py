@@ -12,6 +12,8 @@ from pathlib import Path
 class UserError(Exception):
     """A problem with the user's input. The message names the file/key/value and the fix."""
 
+    exit_code = 1  # the CLI's exit status for it (README: exit codes); a subclass may have its own
+
     def __init__(self, message: str) -> None:
         # One line, always: multi-line messages break CI log greps and the one-line contract.
         super().__init__(" ".join(message.split("\n")))

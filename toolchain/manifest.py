@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,6 +30,10 @@ from toolchain.files import JSON_LIMIT, read_text_capped
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+# The manifest's own check: sha256 of its JSON text without this key (json.dumps, indent 2), written as its last key.
+# It catches a manifest edited or damaged after it was written; it is not a signature (whoever can edit the file can
+# recompute it): pin the manifest's sha256 (what `serve` and `diff` show) for that.
+SEAL = "manifest_seal_sha256"
 PACKAGES = ("torch", "transformers", "safetensors", "onnx", "onnxruntime", "cuda-bindings", "cuda-python")
 _CHUNK = 8 << 20
 
@@ -229,7 +234,7 @@ class StageRecord:
             "wall_time_s": round(time.monotonic() - self.started, 3),
             "peak_rss_bytes": peak_rss_bytes(),
         }
-        (out_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(out_dir, manifest)
         return manifest
 
     def _within_run(self, entry: dict[str, Any], out_dir: Path) -> dict[str, Any]:
@@ -247,6 +252,36 @@ class StageRecord:
 def _input_entry(path: Path, root: Path, stop: threading.Event) -> dict[str, Any]:
     entry = {"path": path.relative_to(root).as_posix(), "size": path.stat().st_size}
     return {"root": str(root), **entry, "sha256": sha256_file(path, stop)}
+
+
+def write_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """`manifest` (a new one, or one read and amended by the stage that owns it) as `directory`'s manifest.json,
+    sealed again."""
+    manifest[SEAL] = _seal(manifest)
+    (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _seal(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, indent=2).encode()).hexdigest()
+
+
+def seal_problem(directory: Path) -> str | None:
+    """Why `directory`'s manifest.json is not exactly the text `StageRecord.write` wrote, or None. A manifest written
+    before seals existed has none to check (None: its listed files are still checked)."""
+    path = directory / MANIFEST_NAME
+    text = read_text_capped(path, JSON_LIMIT, "manifest")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        return f"changed: {MANIFEST_NAME} (not valid JSON any more: {e})"
+    if not isinstance(data, dict) or SEAL not in data:
+        return None
+    if data[SEAL] != _seal(data):
+        return f"changed: {MANIFEST_NAME} (its seal says sha256 {data[SEAL]}, its content hashes to {_seal(data)})"
+    if text != json.dumps(data, indent=2) + "\n":
+        return f"changed: {MANIFEST_NAME} (same content, other bytes: it was re-formatted or edited)"
+    return None
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -284,10 +319,15 @@ def _valid_entry(entry: Any) -> bool:
     )
 
 
-def verify(directory: Path, check_inputs: bool = False) -> list[str]:
-    """Problems found re-hashing `directory` against its manifest; empty when everything matches."""
+Hasher = Callable[[Path], str]
+
+
+def verify(directory: Path, check_inputs: bool = False, hasher: Hasher = sha256_file) -> list[str]:
+    """Problems found re-hashing `directory` against its manifest (and the manifest against its seal); empty when
+    everything matches. `hasher`: how a file's sha256 is had (integrity.cached_sha256 skips unchanged files)."""
+    seal = seal_problem(directory) if (directory / MANIFEST_NAME).is_file() else None
     manifest = read_manifest(directory)
-    problems = _check_files(directory, manifest["outputs"])
+    problems = ([seal] if seal else []) + _check_files(directory, manifest["outputs"], hasher=hasher)
     listed = {e["path"] for e in manifest["outputs"]} | {MANIFEST_NAME}
     problems += [
         f"unlisted: {p.relative_to(directory).as_posix()}"
@@ -313,15 +353,18 @@ def _check_inputs(directory: Path, entries: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
-def _check_files(root: Path, entries: list[dict[str, Any]], label: str = "") -> list[str]:
+def _check_files(root: Path, entries: list[dict[str, Any]], label: str = "", hasher: Hasher = sha256_file) -> list[str]:
     problems = []
     for entry in entries:
         rel = Path(entry["path"])
         shown = root / rel if label else entry["path"]
         if rel.is_absolute() or ".." in rel.parts:
             problems.append(f"{label}outside the artifact: {entry['path']} (the manifest is damaged or forged)")
-        elif not (root / rel).is_file():
-            problems.append(f"{label}missing: {shown}")
-        elif (root / rel).stat().st_size != entry["size"] or sha256_file(root / rel) != entry["sha256"]:
-            problems.append(f"{label}changed: {shown} (sha256 differs from the manifest)")
+        elif not (root / rel).is_file():  # never opened: a FIFO or /dev/zero would block or never end
+            gone = not (root / rel).exists() and not (root / rel).is_symlink()
+            problems.append(f"{label}missing: {shown}" if gone else f"{label}not a regular file: {shown}")
+        elif (size := (root / rel).stat().st_size) != entry["size"]:
+            problems.append(f"{label}changed: {shown} ({size:,} B on disk, {entry['size']:,} B in the manifest)")
+        elif (found := hasher(root / rel)) != entry["sha256"]:
+            problems.append(f"{label}changed: {shown} (sha256 {found} on disk, {entry['sha256']} in the manifest)")
     return problems

@@ -30,7 +30,7 @@ from toolchain.diff import baseline_settings, baseline_stage
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
 from toolchain.evaluate.engine_eval import run_eval
-from toolchain.manifest import MANIFEST_NAME, StageRecord, is_artifact, read_manifest, sha256_file
+from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, write_manifest
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import LoadedRecipe, Recipe
 
@@ -214,11 +214,10 @@ def _final_paths(value: Any, tmp: Path, out: Path) -> Any:
 def _store_summary(stage_dir: Path, summary: dict[str, Any]) -> None:
     """Keep the stage's summary in its manifest, so that a cached stage reports what it did (the manifest's own
     hashes cover files, not itself)."""
-    path = stage_dir / MANIFEST_NAME
-    manifest = json.loads(path.read_text())
+    manifest = read_manifest(stage_dir)
     slim = {k: v for k, v in summary.items() if k not in ("golden", "kld_histogram", "top1_by_position")}
     manifest["details"]["summary"] = slim
-    path.write_text(json.dumps(manifest, indent=2) + "\n")
+    write_manifest(stage_dir, manifest)
 
 
 def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from toolchain import console
 from toolchain.engine.contract import CONTRACT_VERSION, KV_DTYPES, Batch
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, check_tokenizer_dir, read_bytes_capped, read_text_capped
+from toolchain.integrity import check_engine
 
 BUILD_CONFIG = "build_config.json"
 MODEL_NAME = "model.onnx"
@@ -260,10 +261,18 @@ BACKENDS: dict[str, Callable[[EngineSpec], Engine]] = {
 }
 
 
+def trusted_spec(engine_dir: Path) -> EngineSpec:
+    """The spec of an engine whose files are exactly what its manifest lists (integrity.check_engine: exit 4)."""
+    if (engine_dir / BUILD_CONFIG).is_file():  # else from_dir says it is no engine dir, and how to make one
+        check_engine(engine_dir)
+    return EngineSpec.from_dir(engine_dir)
+
+
 def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
     """Open `engine_dir` with its own backend, or with `backend` (a TensorRT engine's model.onnx also runs on the
-    CPU with backend='onnxruntime'). A TensorRT plan is checked against this machine before it is deserialized."""
-    spec = EngineSpec.from_dir(engine_dir)
+    CPU with backend='onnxruntime'). Its files are checked against its manifest first (integrity.check_engine:
+    exit 4 on a mismatch); a TensorRT plan is checked against this machine before it is deserialized."""
+    spec = trusted_spec(engine_dir)
     chosen = backend or spec.backend
     if chosen not in BACKENDS:
         raise UserError(f"backend {chosen!r} is not supported; choose one of {', '.join(BACKENDS)}")

@@ -238,9 +238,9 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.engine.api import BUILD_CONFIG, EngineSpec, open_engine
+    from toolchain.engine.api import BUILD_CONFIG, open_engine, trusted_spec
 
-    spec = EngineSpec.from_dir(engine_dir)  # a readable engine dir, before any work
+    spec = trusted_spec(engine_dir)  # an engine dir that is what its manifest says, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")

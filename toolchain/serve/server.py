@@ -24,9 +24,8 @@ from typing import Any
 import uvicorn
 
 from toolchain import console
-from toolchain.engine.api import EngineSpec, load_tokenizer, open_engine
+from toolchain.engine.api import load_tokenizer, open_engine
 from toolchain.errors import UserError
-from toolchain.manifest import verify
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
 from toolchain.serve.auth import read_keys
 
@@ -38,20 +37,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def check_engine_dir(engine_dir: Path) -> EngineSpec:
-    """The engine must be exactly what its manifest says it is."""
-    spec = EngineSpec.from_dir(engine_dir)
-    if not (engine_dir / "manifest.json").is_file():
-        raise UserError(f"{engine_dir}: no manifest.json, so nothing proves what this engine is; rebuild it")
-    problems = verify(engine_dir)
-    if problems:
-        raise UserError(
-            f"{engine_dir} does not match its manifest, refusing to serve it: {'; '.join(problems)} "
-            "(restore the files or rebuild the engine)"
-        )
-    return spec
 
 
 def _request_log() -> None:
@@ -74,8 +59,7 @@ def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
     keys = read_keys(options.api_keys) if options.api_keys is not None else None
     if options.max_queue < 1 or options.request_timeout <= 0 or options.drain_timeout < 0:
         raise UserError("--max-queue >= 1, --request-timeout > 0 and --drain-timeout >= 0")
-    check_engine_dir(engine_dir)
-    engine = open_engine(engine_dir)
+    engine = open_engine(engine_dir)  # refuses an engine that is not what its manifest says (exit 4)
     try:
         tokenizer: Any = load_tokenizer(engine_dir)
     except UserError as e:
