@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import one_line_error, save_random_llama
+from conftest import one_line_error, reseal, save_random_llama
 from test_convert_llama import CONFIGS
 from test_families import FAMILIES, save_random
 from test_quantize import WIKI
@@ -367,6 +367,7 @@ def test_engine_from_another_machine_is_refused_naming_both_sides(
     config["backend"] = "tensorrt"  # as if built by TensorRT 10.13 on an H200
     config["compatibility"] = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
     path.write_text(json.dumps(config))
+    reseal(tmp_path / "e")  # as that machine's build would have recorded it
     with pytest.raises(
         UserError, match=r"tensorrt 10\.13\.0 \(NVIDIA H200\), this machine has 10\.9\.0 \(NVIDIA A100\)"
     ):

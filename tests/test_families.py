@@ -157,22 +157,45 @@ def test_phi3_matches_transformers(name: str, tmp_path: Path) -> None:
     assert same_top1 == 1.0
 
 
-def test_phi3_fused_tensors_map_to_trtllm_names(tmp_path: Path) -> None:
-    """qkv_proj is already [q; k; v]; gate_up_proj's first half (gate, the activated one) -> mlp.fc, up -> mlp.gate."""
+# TensorRT-LLM's Phi-3 converter (tensorrt_llm/models/phi3/convert.py, `load_weights_from_hf_model`, lines 27-63 at
+# commit 89fd9b74; model.py's Phi3DecoderLayer): per layer, these names and shapes (H hidden, I intermediate, Q the
+# fused qkv rows), nothing else; mlp.fc is gate_up_proj with its halves swapped to [up; gate] (lines 56-63), and
+# there is no mlp.gate. Outside the layers: the embedding, ln_f and lm_head.
+TRTLLM_PHI3_LAYER = {
+    "input_layernorm.weight": ("H",),
+    "attention.qkv.weight": ("Q", "H"),
+    "attention.dense.weight": ("H", "H"),
+    "post_layernorm.weight": ("H",),
+    "mlp.fc.weight": ("2I", "H"),
+    "mlp.proj.weight": ("H", "I"),
+}
+TRTLLM_PHI3_OUTSIDE = {
+    "transformer.vocab_embedding.weight": ("V", "H"),
+    "transformer.ln_f.weight": ("H",),
+    "lm_head.weight": ("V", "H"),
+}
+
+
+def test_phi3_checkpoint_has_exactly_trtllm_phi3_names_and_shapes(tmp_path: Path) -> None:
     hf = save_phi3(tmp_path / "hf", "phi3-window")
     convert(hf, tmp_path / "ckpt")
     src, out = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     cfg = read_config(tmp_path / "ckpt")
-    gate_up, i = src["model.layers.1.mlp.gate_up_proj.weight"], cfg.intermediate_size
-    assert torch.equal(out["transformer.layers.1.mlp.fc.weight"], gate_up[:i])
-    assert torch.equal(out["transformer.layers.1.mlp.gate.weight"], gate_up[i:])
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    sizes = {"H": h, "I": i, "2I": 2 * i, "V": cfg.vocab_size}
+    sizes["Q"] = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_size
+    expected = {name: shape for name, shape in TRTLLM_PHI3_OUTSIDE.items()}
+    for layer in range(cfg.num_hidden_layers):
+        expected.update({f"transformer.layers.{layer}.{n}": shape for n, shape in TRTLLM_PHI3_LAYER.items()})
+    assert {n: tuple(t.shape) for n, t in out.items()} == {n: tuple(sizes[d] for d in s) for n, s in expected.items()}
+    gate_up = src["model.layers.1.mlp.gate_up_proj.weight"]  # HF: [gate; up]
+    assert torch.equal(out["transformer.layers.1.mlp.fc.weight"], torch.cat([gate_up[i:], gate_up[:i]]))
     assert torch.equal(
         out["transformer.layers.1.attention.qkv.weight"], src["model.layers.1.self_attn.qkv_proj.weight"]
     )
-    assert not any("gate_up" in n or "qkv_proj" in n for n in out)
     assert cfg.architecture == "Phi3ForCausalLM" and cfg.sliding_window == 8 and cfg.rotary_scaling is None
-    assert cfg.norm_epsilon == 1e-5 and not cfg.attn_bias and not cfg.mlp_bias and cfg.hidden_act == "silu"
-    convert(hf, tmp_path / "threads", workers=3)  # two outputs read one source: the bytes do not depend on threads
+    assert cfg.norm_epsilon == 1e-5 and not cfg.attn_bias and not cfg.mlp_bias and cfg.hidden_act == "swiglu"
+    convert(hf, tmp_path / "threads", workers=3)  # the bytes do not depend on threads
     threads, one = (tmp_path / d / "rank0.safetensors" for d in ("threads", "ckpt"))
     assert threads.read_bytes() == one.read_bytes()
 
@@ -193,7 +216,7 @@ def test_phi3_window_is_recorded_and_matters(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "tp"), [("phi3-window", 2), ("phi3-gqa", 4)])
 def test_phi3_tensor_parallel(name: str, tp: int, tmp_path: Path) -> None:
-    """Each rank's mlp.fc/mlp.gate are its slice of the right half; tp 4 > 2 KV heads replicates them."""
+    """Each rank's mlp.fc is [up_r; gate_r], its slice of each half; tp 4 > 2 KV heads replicates them."""
     from toolchain.reference.model import ReferenceModel
     from toolchain.reference.parallel import merge_ranks, tp_logits
 

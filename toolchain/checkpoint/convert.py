@@ -170,6 +170,9 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) ->
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
     if out.rule.offset:
         tensor = tensor.float() + out.rule.offset
+    if out.rule.halves_swapped:
+        first, second = tensor.chunk(2)
+        tensor = torch.cat([second, first])
     return tensor.to(dtype).contiguous()
 
 
@@ -200,7 +203,8 @@ def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
     """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
     makes a new tensor."""
     read = sum(reader.nbytes(s) for s in out.rule.srcs)
-    copies = len(out.rule.srcs) > 1 or out.rule.transpose or any(reader.dtype(s) != dtype for s in out.rule.srcs)
+    copies = len(out.rule.srcs) > 1 or out.rule.transpose or out.rule.halves_swapped
+    copies = copies or any(reader.dtype(s) != dtype for s in out.rule.srcs)
     return read + (math.prod(out.shape) * dtype.itemsize if copies else 0)
 
 

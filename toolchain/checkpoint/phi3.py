@@ -7,9 +7,11 @@ TensorRT-LLM's converter (tensorrt_llm/models/phi3/convert.py `load_weights_from
 `post_attention_layernorm` -> `post_layernorm`, `model.norm` -> `transformer.ln_f`; its config
 (models/phi3/config.py) takes `rotary_base` = rope_theta, `norm_epsilon` = rms_norm_eps, `rotary_pct` =
 partial_rotary_factor, `position_embedding_type` rope_gpt_neox, and "long_rope" for the 128k models.
-One difference, on purpose: TensorRT-LLM's Phi3 class keeps gate_up_proj fused in `mlp.fc` (halves swapped, for
-its `swiglu` MLP); we split it into the Llama GatedMLP layout every later stage implements (the gate half ->
-`mlp.fc`, the activated branch; the up half -> `mlp.gate`), which TensorRT-LLM's LLaMA model reads.
+The MLP as TensorRT-LLM's Phi-3 writes it (convert.py `load_weights_from_hf_model`; its Phi3DecoderLayer uses the
+plain `MLP` with `hidden_act` "swiglu", config.py `from_hugging_face`): `gate_up_proj` stays fused in `mlp.fc`
+with its halves swapped to [up; gate], because TensorRT-LLM's `swiglu` activates the second half
+(`x, gate = chunk(input, 2)`; `silu(gate) * x`, tensorrt_llm/functional.py); there is no `mlp.gate`. The spec marks
+it (`LayerSpec.gate_up_fused`), and tensor parallelism splits each half on its own ("gate_up", sharding.py).
 `sliding_window` is recorded as for Mistral: HF Phi-3 masks with it (each query sees itself and the
 window - 1 tokens before it). Refused with one line: long-context rope ("longrope", "su", "yarn") and
 `partial_rotary_factor` != 1 (Phi-4-mini), which neither the reference nor our attention plugin implement.
@@ -17,12 +19,15 @@ window - 1 tokens before it). Refused with one line: long-context rope ("longrop
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from toolchain.checkpoint.hf_fields import positive_float, positive_int
-from toolchain.checkpoint.llama import DROPPED, LayerRow, build_table, llama_style_config, spec
+from toolchain.checkpoint.llama import DROPPED, LayerRow, build_table, llama_style_config
 from toolchain.checkpoint.llama import source_shapes as llama_shapes
+from toolchain.checkpoint.llama import spec as llama_spec
 from toolchain.checkpoint.sharding import Rule
+from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -37,11 +42,7 @@ LAYER_TABLE: tuple[LayerRow, ...] = (
     ("post_layernorm.weight", ("post_attention_layernorm.weight",)),
     ("mlp.proj.weight", ("mlp.down_proj.weight",)),
 )
-# TRT-LLM name <- (fused HF source, which half of its rows).
-HALF_TABLE: tuple[tuple[str, str, int], ...] = (
-    ("mlp.fc.weight", "mlp.gate_up_proj.weight", 0),  # gate: the activated branch
-    ("mlp.gate.weight", "mlp.gate_up_proj.weight", 1),  # up
-)
+FUSED_MLP = ("mlp.fc.weight", "mlp.gate_up_proj.weight")  # HF [gate; up] -> TRT-LLM [up; gate], halves swapped
 
 
 def _refuse_unsupported_rope(hf: dict[str, Any], source: str) -> None:
@@ -77,17 +78,22 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
         attn_bias=False,  # HF Phi-3 has no biases whatever config.json says
         mlp_bias=False,
         sliding_window=window,
+        hidden_act="swiglu",  # TensorRT-LLM's Phi3Config: silu over the fused [up; gate] fc
     )
+
+
+def spec(cfg: ModelConfig) -> ModelSpec:
+    """Llama's layer, its MLP's gate and up fused in mlp.fc."""
+    base = llama_spec(cfg)
+    layers = tuple(dataclasses.replace(ls, gate_up_fused=True) for ls in base.layers)
+    return dataclasses.replace(base, layers=layers)
 
 
 def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
     table = build_table(cfg, available, list(LAYER_TABLE))
-    i = cfg.intermediate_size
+    dst, src = FUSED_MLP
     for layer in range(cfg.num_hidden_layers):
-        table += [
-            Rule(f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), rows=(half * i, (half + 1) * i))
-            for dst, src, half in HALF_TABLE
-        ]
+        table.append(Rule(f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), halves_swapped=True))
     return table
 
 

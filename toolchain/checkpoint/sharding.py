@@ -8,6 +8,8 @@ _utils.py::pad_vocab_size):
   lm_head on the last.
 - Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too; row-parallel weights
   (attention.dense, mlp.proj) split on dim 1 and keep their bias whole; norms are replicated.
+- A fused gate/up `mlp.fc` (Phi-3: [up; gate] stacked) splits each half on its own and stacks the rank's halves
+  again ("gate_up"), so every rank holds [up_r; gate_r] (its swiglu splits its input in two halves).
 - qkv splits q, k and v separately by heads and concatenates [q_r; k_r; v_r]. With fewer KV heads than
   ranks, each KV head is repeated tp/kv times so every rank holds exactly one (tp must be a multiple of kv).
 - lm_head, the embedding (use_parallel_embedding, sharding dim 0) and GPT's position embedding are
@@ -26,7 +28,7 @@ import torch
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
-Split = Literal["replicate", "column", "row", "qkv", "vocab"]
+Split = Literal["replicate", "column", "row", "qkv", "vocab", "gate_up"]
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
 FIRST_STAGE = ("transformer.vocab_embedding.", "transformer.position_embedding.")
 LAST_STAGE = ("transformer.ln_f.", "lm_head.")
@@ -41,10 +43,12 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
 )
 
 
-def split_of(name: str) -> Split:
+def split_of(name: str, gate_up_fused: bool = False) -> Split:
     """'replicate' for norms, row-parallel biases and qk-norms. GPT's learned position embedding is split like
-    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`)."""
-    return next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
+    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`). `gate_up_fused`: the model's mlp.fc
+    stacks the up and gate projections (LayerSpec.gate_up_fused)."""
+    split: Split = next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
+    return "gate_up" if gate_up_fused and split == "column" and ".mlp.fc." in name else split
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,7 @@ class Rule:
     transpose: bool = False
     rows: tuple[int, int] | None = None
     offset: float = 0.0  # added in float32 before the cast (Gemma's norms: TensorRT-LLM stores 1 + w)
+    halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
 
     def __post_init__(self) -> None:
         if self.rows is not None and (len(self.srcs) != 1 or not 0 <= self.rows[0] < self.rows[1]):
@@ -65,7 +70,7 @@ class Rule:
 
     @property
     def split(self) -> Split:
-        return split_of(self.dst)
+        return split_of(self.dst, gate_up_fused=self.halves_swapped)
 
 
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
@@ -165,6 +170,8 @@ def shard(tensor: torch.Tensor, split: Split, cfg: ModelConfig, tp: int, rank: i
             head = rank // (tp // kv)
             k, v = k[head * d : (head + 1) * d], v[head * d : (head + 1) * d]
         return torch.cat([q.chunk(tp)[rank], k, v]).contiguous()
+    if split == "gate_up":
+        return torch.cat([half.chunk(tp)[rank] for half in tensor.chunk(2)]).contiguous()
     return tensor.chunk(tp, dim=0)[rank].contiguous()
 
 
@@ -186,4 +193,7 @@ def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows
         ks = [p[1] for p in pieces][::step]
         vs = [p[2] for p in pieces][::step]
         return torch.cat([*qs, *ks, *vs])
+    if split == "gate_up":
+        halves = [p.chunk(2) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(parts)

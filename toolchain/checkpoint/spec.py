@@ -87,6 +87,9 @@ class LayerSpec:
     qkv_bias: bool = False
     dense_bias: bool = False
     gated_mlp: bool = True  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x)); else proj(act(fc(x)))
+    # gated, with fc holding [up; gate] stacked and no mlp.gate: proj(up * act(gate)), TensorRT-LLM's Phi-3 `MLP`
+    # with its `swiglu` (the second half activated)
+    gate_up_fused: bool = False
     activation: str = "silu"
     mlp_bias: bool = False
 
@@ -98,6 +101,8 @@ class LayerSpec:
                 f"layer {self.index}: hidden_act {self.activation!r} is not supported; supported: "
                 f"{', '.join(ACTIVATIONS)}"
             )
+        if self.gate_up_fused and not self.gated_mlp:
+            raise UserError(f"layer {self.index}: a fused gate/up projection needs a gated MLP")
         if (self.q_norm is None) != (self.k_norm is None):
             raise UserError(f"layer {self.index}: q and k norms come as a pair")
         if self.attn_scale is not None and (not math.isfinite(self.attn_scale) or self.attn_scale <= 0):
@@ -110,15 +115,20 @@ class LayerSpec:
     def linears(self) -> list[str]:
         """The layer's linear prefixes, in execution order."""
         p = self.prefix
-        mlp = [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp else [f"{p}.mlp.fc"]
+        mlp = self.mlp_inputs()
         return [f"{p}.attention.qkv", f"{p}.attention.dense", *mlp, f"{p}.mlp.proj"]
+
+    def mlp_inputs(self) -> list[str]:
+        """The MLP's linears that read its input: fc and gate, or fc alone (plain, or gate and up fused in fc)."""
+        p = self.prefix
+        return [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp and not self.gate_up_fused else [f"{p}.mlp.fc"]
 
     def smoothing_groups(self) -> list[tuple[Norm | None, list[str]]]:
         """SmoothQuant's pairs: the norm feeding a group of linears that read one input (its 1/s folds into the
         norm's weight), or None where no norm sits in front (the 1/s stays a pre-quant scale on the input). A
         sandwich norm is on a block's output, so it feeds nothing and pairs with nothing."""
         p = self.prefix
-        mlp = [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp else [f"{p}.mlp.fc"]
+        mlp = self.mlp_inputs()
         return [
             (self.attn_norm, [f"{p}.attention.qkv"]),
             (self.mlp_norm, mlp),

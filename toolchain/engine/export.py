@@ -289,8 +289,16 @@ class _Exporter:
             a = self.norm(a, ls.attn_out_norm, f"{ls.attn_out_norm.name}.out")
         h = b.op("Add", [h, a], f"{layer}.attn_residual")
         x = self.norm(h, ls.mlp_norm, f"{ls.mlp_norm.name}.out")
-        m = self.activation(self.linear(x, f"{layer}.mlp.fc", ls.mlp_bias), ls.activation, f"{layer}.mlp.act")
-        if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+        fc = self.linear(x, f"{layer}.mlp.fc", ls.mlp_bias)
+        if ls.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate)
+            up, gate = f"{layer}.mlp.up", f"{layer}.mlp.gate_half"
+            b.nodes.append(
+                helper.make_node("Split", [fc], [up, gate], name=f"{layer}.mlp.split", axis=-1, num_outputs=2)
+            )
+            m = b.op("Mul", [up, self.activation(gate, ls.activation, f"{layer}.mlp.act")], f"{layer}.mlp.gated")
+        else:
+            m = self.activation(fc, ls.activation, f"{layer}.mlp.act")
+        if ls.gated_mlp and not ls.gate_up_fused:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
             m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ls.mlp_bias)], f"{layer}.mlp.gated")
         m = self.linear(m, f"{layer}.mlp.proj", ls.mlp_bias)
         if ls.mlp_out_norm is not None:

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.checkpoint.sharding import padded_vocab, split_of, stage_layers, unshard
-from toolchain.checkpoint.spec import LayerSpec
+from toolchain.checkpoint.spec import LayerSpec, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.model import ReferenceModel
 
@@ -32,6 +32,7 @@ def merge_ranks(directory: Path) -> dict[str, torch.Tensor]:
     """The TP=1/PP=1 tensors, rebuilt from every rank file (vocab padding and repeated KV heads removed)."""
     cfg, ranks = load_ranks(directory)
     tp, pp = cfg.mapping.tp_size, cfg.mapping.pp_size
+    fused = spec_of(cfg).layers[0].gate_up_fused
     merged: dict[str, torch.Tensor] = {}
     for p, layers in enumerate(stage_layers(cfg.num_hidden_layers, pp)):
         for name in ranks[cfg.mapping.rank(0, p)]:
@@ -39,7 +40,7 @@ def merge_ranks(directory: Path) -> dict[str, torch.Tensor]:
             match = _LAYER.fullmatch(name)
             full = f"transformer.layers.{int(match.group(1)) + layers.start}.{match.group(2)}" if match else name
             rows = cfg.max_position_embeddings if "position_embedding" in name else cfg.vocab_size
-            merged[full] = unshard(parts, split_of(name), cfg, rows)
+            merged[full] = unshard(parts, split_of(name, fused), cfg, rows)
     return merged
 
 
