@@ -63,6 +63,10 @@ def test_change_table_names_the_quantization_and_nothing_else(cli: Any, builds: 
     assert rows[("recipe", "quantize.method")] == (None, "w8a16")
     assert ("engine files", "model.onnx") in rows
     assert not r["same_build"] and r["quality"] is None and r["speed"] is None
+    # fields that apply to neither side's method are absent on both, not config.json's defaults (group_size 128)
+    facts = {row["key"]: (row["old"], row["new"]) for row in r["changes"] if row["section"] == "quantization"}
+    assert facts["group_size"] == (None, None) and facts["smoothquant_alpha"] == (None, None)
+    assert facts["pre_quant_scale"] == (None, False) and facts["exclude_modules"][0] is None
     # same source weights (found through the run's checkpoint manifest), same limits, same software
     weights = [row for row in r["changes"] if row["section"] == "weights"]
     assert {row["key"] for row in weights} >= {"model.safetensors", "config.json"}

@@ -30,6 +30,8 @@ from toolchain.engine.api import BUILD_CONFIG, Engine, open_engine
 from toolchain.errors import UserError
 from toolchain.integrity import check_engine
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
+from toolchain.quantize.methods.base import QuantMethod
+from toolchain.quantize.methods.registry import by_algo
 
 STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine"}  # as pipeline.STAGE_DIRS
 
@@ -205,21 +207,35 @@ def _weights(side: Side) -> dict[str, Any] | _Unknown:
     return {e["path"]: e["sha256"] for e in convert["inputs"]}
 
 
+def _weight_method(algo: Any) -> QuantMethod | None:
+    """The method of a build's quant_algo; None for unquantized weights (or an algo this trtbuild does not know:
+    then no method-specific field is claimed for it)."""
+    try:
+        return by_algo(algo) if isinstance(algo, str) and algo else None
+    except UserError:
+        return None
+
+
 def _quantization(side: Side) -> dict[str, Any]:
+    """The quantization facts; a field that does not apply to this side's method is absent (None, shown '-'), never
+    config.json's default (an unquantized build has no group size, only grouped methods have one)."""
     q = side.build_config.get("quantization") or {}
     quantized = bool(q.get("quant_algo") or q.get("kv_cache_quant_algo"))
+    weights = _weight_method(q.get("quant_algo"))
     quantize = side.manifests.get("quantize")
     details = (quantize or {}).get("details") or {}
     calib = details.get("calibration") or {}
     facts = {
         "method": details.get("method") or (None if quantized else "none"),
         "quant_algo": q.get("quant_algo") or "none",
-        "group_size": q.get("group_size"),
+        "group_size": q.get("group_size") if weights is not None and weights.grouped else None,
         "kv_cache": (side.build_config.get("kv_cache") or {}).get("dtype"),
         "kv_cache_quant_algo": q.get("kv_cache_quant_algo") or "none",
-        "pre_quant_scale": q.get("pre_quant_scale"),
-        "smoothquant_alpha": details.get("smoothquant_alpha"),
-        "exclude_modules": q.get("exclude_modules"),
+        "pre_quant_scale": q.get("pre_quant_scale") if weights is not None else None,
+        "smoothquant_alpha": details.get("smoothquant_alpha")
+        if weights is not None and weights.uses_sq_alpha
+        else None,
+        "exclude_modules": q.get("exclude_modules") if quantized else None,
         "calibration data sha256": calib.get("sha256"),
         "calibration samples": calib.get("samples"),
         "calibration seq_len": calib.get("seq_len"),
