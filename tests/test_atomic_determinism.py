@@ -19,6 +19,7 @@ from toolchain.manifest import verify
 HASHED = ("config.json", "rank0.safetensors")
 
 
+@pytest.mark.slow
 def test_same_model_twice_gives_identical_bytes(make_llama: Any, tmp_path: Path) -> None:
     hf = make_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0})
     convert(hf, tmp_path / "a")
@@ -88,6 +89,7 @@ app(sys.argv[1:])
 """
 
 
+@pytest.mark.slow
 def test_sigterm_mid_write_leaves_nothing(make_llama: Any, tmp_path: Path) -> None:
     hf = make_llama()
     out = tmp_path / "out"

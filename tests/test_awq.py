@@ -164,6 +164,7 @@ def test_stage_shares_scales_clips_and_records_choices(stories_ckpt: Path, tmp_p
     assert any(c["clipped_groups"] > 0 for c in awq.values())
 
 
+@pytest.mark.slow
 def test_awq_beats_round_to_nearest_on_held_out_raw_text(stories_ckpt: Path, tmp_path: Path) -> None:
     """Calibrated on WikiText-2 valid, evaluated on raw WikiText-2 test (other articles): ≥ 15 % lower mean KLD."""
     quality = {}

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_convert_benchmark_smoke() -> None:
     args = ["--hidden", "64", "--layers", "2", "--intermediate", "96", "--vocab", "128", "--heads", "4"]
     args += ["--kv-heads", "2", "--shards", "2", "--skip-transformers", "--json"]
@@ -58,6 +59,7 @@ def test_ifb_benchmark_exits_1_when_requests_did_not_complete(
     ifb.main()  # returns: accepted
 
 
+@pytest.mark.slow
 def test_quality_modelopt_column_skips_with_the_reason(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

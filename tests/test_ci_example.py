@@ -73,6 +73,7 @@ def test_released_engine_is_what_the_gate_downloads() -> None:
     assert recipe["quantize"] and recipe["build"] is not None and recipe["eval"]["gates"]
 
 
+@pytest.mark.slow
 def test_workflows_run_on_the_demo_model(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     shutil.copytree(CI, tmp_path / "examples" / "ci")
     shutil.copytree(REPO / "recipes" / "data", tmp_path / "recipes" / "data")

@@ -118,6 +118,7 @@ def test_recipe_runs_every_stage_and_caches_them(cli: Any, tiny: Path, tmp_path:
     assert report["engine_dir"] == str((tmp_path / "o" / "engine").resolve())
 
 
+@pytest.mark.slow
 def test_quantize_benchmark_smoke() -> None:
     import subprocess
     import sys

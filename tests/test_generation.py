@@ -279,6 +279,7 @@ def test_an_engine_failure_ends_the_requests_in_flight_and_the_loop_serves_on() 
 
 
 # -- memory stays flat -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_memory_stays_flat_over_many_requests() -> None:
     """Short requests in waves through LLMEngine: what the process holds after 6,000 more requests does not grow
     (a leak of 50 bytes a request would show: a list entry, a dict item, a request kept), and nothing the runtime

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -33,6 +35,7 @@ def _peak_rss_of_convert(src: Path, out: Path) -> int:
     return int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
 
 
+@pytest.mark.slow
 def test_peak_rss_is_bounded_by_tensors_not_model(tmp_path: Path) -> None:
     small = _model(tmp_path / "small", layers=1)
     big = _model(tmp_path / "big", layers=24)  # ~180 MB; largest tensor: the 8 MB embedding
@@ -65,6 +68,7 @@ print(inside, faults())
 """
 
 
+@pytest.mark.slow
 def test_conversion_leaves_later_large_temporaries_off_mmap(tmp_path: Path) -> None:
     """convert (and quantize) have glibc return freed tensors at once (mmap for 4 MiB and more) while they run; the
     process that goes on to run an engine (a `trtbuild run` recipe) must not keep paying a page fault per page of

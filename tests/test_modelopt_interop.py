@@ -24,6 +24,8 @@ from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.checkpoint.trtllm import kv_cache_scale
 from toolchain.errors import UserError
 
+pytestmark = pytest.mark.slow  # ModelOpt quantizes and exports on the CPU: seconds per case
+
 HERE = Path(__file__).parent
 PEER_VENV = Path.home() / ".cache" / "trtbuild-peers" / "venvs" / "modelopt" / "bin" / "python"
 

@@ -38,6 +38,7 @@ def _sm90_ptx(build_dir: Path) -> str:
     return compile_plugins(("sm_90",), build_dir)[0].ptx.read_text()
 
 
+@pytest.mark.slow
 def test_every_kernel_compiles_for_every_sm_without_spills(build_dir: Path, cli: Any) -> None:
     result = cli("plugins", "compile", "--out", build_dir, "--strict", "--json")
     assert result.exit_code == 0, result.stderr
@@ -213,6 +214,7 @@ def _entry_params(ptx: str, kernel: str) -> list[str]:
     return re.findall(r"\.param \.(\w+)", match.group(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "attrs",
     [
@@ -265,6 +267,7 @@ def _gpu_check() -> Any:
     return module
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", VECTORS, ids=[p.stem for p in VECTORS])
 def test_gpu_check_launches_what_the_compiled_kernels_take(path: Path, build_dir: Path) -> None:
     """plugins/gpu_check.py (run on a lent GPU) launches through launch.py, as TensorRT's registration does: run

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import reseal
 
 from toolchain.checkpoint.tiny import byte_level_tokenizer, make_tiny_llama
 from toolchain.evaluate.golden import TokenBytes, readable
@@ -304,6 +305,7 @@ def test_eval_report_of_a_tensorrt_engine_run_on_the_cpu(
     config["backend"] = "tensorrt"  # as if built by TensorRT 10.13 on an H200
     config["compatibility"] = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
     path.write_text(json.dumps(config))
+    reseal(engine)  # as that build would have recorded it
     args = ["eval", engine, "--reference", tiny, "--data", DEMO_TEXT, "--max-tokens", "600", "--golden", DEMO_GOLDEN]
     result = cli(*args, "--backend", "onnxruntime", "-o", tmp_path / "r", "--gate", "golden_exact_min=0")
     assert result.exit_code == 0, result.stderr

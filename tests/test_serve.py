@@ -278,6 +278,7 @@ def test_models_list_names_the_served_model_and_engine(server: Running, engine_s
 
 
 # -- 2. concurrency ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_64_concurrent_streams_each_equal_greedy_alone(server: Running, engine_dir: Path, tokenizer: Any) -> None:
     prompts = [f"Request {i}: {'xyzzy' * (i % 5)} build {i * 7919 % 1000}" for i in range(64)]
     new = 12
@@ -533,6 +534,7 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "toolchain", "serve", *args]
 
 
+@pytest.mark.slow
 def test_sigterm_drains_in_flight_requests_then_exits_0(engine_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -596,6 +598,7 @@ class _Streamed:
         self.ended_at = time.monotonic()
 
 
+@pytest.mark.slow
 def test_the_cli_refuses_to_start_unsafe_or_tampered(engine_dir: Path, tmp_path: Path) -> None:
     tampered = tmp_path / "tampered"
     shutil.copytree(engine_dir, tampered)

@@ -78,6 +78,7 @@ def test_w8a8_sq_layout(stories: Path, tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_smoothing_is_what_makes_int8_activations_work(stories: Path, tmp_path: Path) -> None:
     """α = 0 is plain W8A8 (per-tensor int8 activations): stories260K's outlier channels cost it dearly."""
     convert(stories, tmp_path / "ckpt")

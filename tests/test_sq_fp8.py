@@ -65,6 +65,7 @@ def test_sq_alpha_bad_values_are_one_line(cli: Any, ckpt: Path, tmp_path: Path) 
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_fp8_fc_and_gate_share_one_weight_scale(ckpt: Path, tmp_path: Path) -> None:
     """TensorRT-LLM fuses mlp.gate and mlp.fc into one FP8 GEMM with one scale, the larger of the two."""
     opts = QuantizeOptions("fp8", calib_data=WIKI / "valid.txt", calib_samples=4, calib_seq_len=64)

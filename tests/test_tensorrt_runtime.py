@@ -25,6 +25,7 @@ from toolchain.engine.contract import CONTRACT_VERSION, INPUTS, OUTPUTS, Batch
 from toolchain.engine.tensorrt_runtime import TrtEngine
 from toolchain.errors import UserError
 from toolchain.inspect import describe
+from toolchain.manifest import StageRecord
 
 H200 = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
 VOCAB, TPB, BLOCKS = 11, 4, 8
@@ -49,6 +50,7 @@ def write_engine_dir(path: Path) -> Path:
     path.mkdir()
     (path / "build_config.json").write_text(json.dumps(config))
     (path / tensorrt_backend.PLAN_NAME).write_bytes(b"plan bytes")
+    StageRecord("build").write(path)  # its manifest, as build.py writes it
     return path
 
 

@@ -326,7 +326,12 @@ def verify(directory: Path, check_inputs: bool = False, hasher: Hasher = sha256_
     """Problems found re-hashing `directory` against its manifest (and the manifest against its seal); empty when
     everything matches. `hasher`: how a file's sha256 is had (integrity.cached_sha256 skips unchanged files)."""
     seal = seal_problem(directory) if (directory / MANIFEST_NAME).is_file() else None
-    manifest = read_manifest(directory)
+    try:
+        manifest = read_manifest(directory)
+    except UserError:
+        if seal:  # damaged past parsing: that is the problem to name
+            return [seal]
+        raise
     problems = ([seal] if seal else []) + _check_files(directory, manifest["outputs"], hasher=hasher)
     listed = {e["path"] for e in manifest["outputs"]} | {MANIFEST_NAME}
     problems += [
