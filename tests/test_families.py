@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BASE, wide_init
+from conftest import BASE, one_line_error, wide_init
 from safetensors.torch import load_file, save_file
 from test_convert_llama import compare
 
@@ -198,6 +198,21 @@ def test_phi3_checkpoint_has_exactly_trtllm_phi3_names_and_shapes(tmp_path: Path
     convert(hf, tmp_path / "threads", workers=3)  # the bytes do not depend on threads
     threads, one = (tmp_path / d / "rank0.safetensors" for d in ("threads", "ckpt"))
     assert threads.read_bytes() == one.read_bytes()
+
+
+def test_a_phi3_checkpoint_in_the_old_split_layout_is_refused(cli: Any, tmp_path: Path) -> None:
+    """Before issue 23 we wrote Phi-3 as Llama's split MLP (hidden_act silu); read as fused it would be another
+    model, so every stage that reads it says to convert again."""
+    import json
+
+    convert(save_phi3(tmp_path / "hf", "phi3-gqa"), tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_act": "silu"}))
+    for args in (["quantize", tmp_path / "ckpt", "-o", tmp_path / "q", "--method", "w8a16"],
+                 ["build", tmp_path / "ckpt", "-o", tmp_path / "e"]):  # fmt: skip
+        line = one_line_error(cli(*args))
+        assert "hidden_act 'silu'" in line and "re-run `trtbuild convert`" in line
+        assert not (tmp_path / "q").exists() and not (tmp_path / "e").exists()
 
 
 def test_phi3_window_is_recorded_and_matters(tmp_path: Path) -> None:

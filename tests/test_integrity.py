@@ -122,6 +122,7 @@ def test_a_manifest_edited_in_place_is_refused_even_when_it_still_parses(
 def test_the_hash_cache_skips_unchanged_files_and_never_hides_a_change(
     built: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(integrity, "RACY_NS", 0)  # the copy's ctime is now: cacheable here all the same
     engine = tmp_path / "engine"
     shutil.copytree(built["engine"], engine)
     big = [n for n in engine_files(engine) if (engine / n).stat().st_size >= integrity.CACHE_MIN_BYTES]
@@ -147,3 +148,22 @@ def test_the_cache_can_be_turned_off(built: dict[str, Path], monkeypatch: pytest
     monkeypatch.setenv("TRTBUILD_HASH_CACHE", "0")
     check_engine(built["engine"])
     assert not (tmp_path / "cache" / "trtbuild" / "sha256-cache.json").exists()
+
+
+def test_a_file_written_just_now_is_not_cached(built: dict[str, Path], tmp_path: Path) -> None:
+    """Within a timestamp's tick of a write, a rewrite could keep the stat key: such a hash is not kept (racy)."""
+    engine = tmp_path / "engine"
+    shutil.copytree(built["engine"], engine)  # ctime: now
+    integrity._checked.clear()
+    check_engine(engine)
+    assert not any(name.startswith(str(engine.resolve())) for name in integrity._checked)
+    assert not (tmp_path / "cache" / "trtbuild" / "sha256-cache.json").exists()
+
+
+def test_a_manifest_with_other_line_endings_is_refused(built: dict[str, Path], tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    shutil.copytree(built["engine"], engine)
+    path = engine / MANIFEST_NAME
+    path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))  # same JSON, other bytes: another manifest sha256
+    with pytest.raises(IntegrityError, match=r"changed: manifest\.json \(same content, other bytes"):
+        check_engine(engine)

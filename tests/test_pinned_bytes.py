@@ -6,7 +6,8 @@ and method registry). And the bytes do not depend on the machine (issue 22): the
 toolchain.seeded's integer generator, calibration and the searches run in float64 and round once
 (docs/conversion.md, "Same bytes on any CPU"), and `test_bytes_do_not_depend_on_the_machine` makes every case again
 in fresh processes under each kernel set torch can dispatch to on this CPU (ATEN_CPU_CAPABILITY default, avx2,
-avx512 where the CPU has it) with 1 thread, and under default with 2 threads.
+avx512 where the CPU has it) with 1 thread, and under default with 2 threads and MKL_CBWR=COMPATIBLE (MKL,
+which does the float64 matmuls, picks its own code path by CPU).
 
 What it cannot cover: instruction sets this runner lacks (an AVX-512 kernel on an AVX2-only runner, aarch64's NEON
 and SVE kernels, AMX), other BLAS builds than the pinned torch wheel's, and other torch versions (the pins are of
@@ -59,8 +60,10 @@ CASES: dict[str, tuple[str, str, str, int, Any, tuple[str, ...]]] = {
     "llama-w8a16-int8kv": ("llama", "w8a16", "int8", 128, 0.5, DEFAULT_EXCLUDE),
     "llama-w4a16_awq-lm_head": ("llama", "w4a16_awq", "none", 64, 0.5, ()),
     "llama-w8a8_sq-float_proj": ("llama", "w8a8_sq", "none", 128, 0.5, ("lm_head", "mlp.proj")),
+    # recorded with issue 23: Phi-3's fused [up; gate] mlp.fc, smoothed as one linear, with an int8 KV cache
+    "phi3-w8a8_sq-int8kv": ("phi3", "w8a8_sq", "int8", 128, 0.5, DEFAULT_EXCLUDE),
 }
-FAMILIES = ("llama", "gpt2", "qwen3", "qwen2")
+FAMILIES = ("llama", "gpt2", "qwen3", "qwen2", "phi3")
 
 
 def _sha(path: Path) -> str:
@@ -94,11 +97,15 @@ def _hf(root: Path, family: str) -> Path:
         "gpt2": lambda: transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=128, vocab_size=320),
         "qwen3": lambda: transformers.Qwen3Config(**qwen, num_key_value_heads=2, head_dim=24, **small),
         "qwen2": lambda: transformers.Qwen2Config(**qwen, num_key_value_heads=2, **small),
+        "phi3": lambda: transformers.Phi3Config(
+            **qwen, num_key_value_heads=2, pad_token_id=None, bos_token_id=1, eos_token_id=2, **small
+        ),
     }[family]()
     model_cls = {
         "gpt2": transformers.GPT2LMHeadModel,
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen2": transformers.Qwen2ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
     }[family]
     model = model_cls(config)
     seeded.fill_(list(model.named_parameters()), 1, seeded.matrices(0.02))
@@ -146,10 +153,15 @@ def _capabilities() -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(  # with `test_bytes_are_pinned` (the best kernel set, torch's default thread count)
-    ("capability", "threads"), [*((c, 1) for c in _capabilities()), ("default", 2)]
+    ("capability", "threads", "mkl"), [*((c, 1, "") for c in _capabilities()), ("default", 2, "COMPATIBLE")]
 )
-def test_bytes_do_not_depend_on_the_machine(capability: str, threads: int, tmp_path: Path) -> None:
+def test_bytes_do_not_depend_on_the_machine(capability: str, threads: int, mkl: str, tmp_path: Path) -> None:
+    """ATEN_CPU_CAPABILITY picks torch's own kernels; the float64 matmuls of calibration go to MKL, which picks its
+    code path by CPU on its own: MKL_CBWR=COMPATIBLE makes it take another one (it changes most dgemm results in
+    their last bits), as a CPU of another model would."""
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "OMP_NUM_THREADS": str(threads)}
+    if mkl:
+        env["MKL_CBWR"] = mkl
     done = subprocess.run(
         [sys.executable, __file__, "--print", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
     )

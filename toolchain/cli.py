@@ -347,6 +347,7 @@ def eval_(
     json_out: JsonOpt = False,
 ) -> None:
     """Score an engine against the original model (PPL ratio, KLD, top-1, Δp, golden prompts) and apply gates."""
+    from toolchain.engine.api import trusted_spec
     from toolchain.engine.build import require_tokenizer
     from toolchain.evaluate.engine_eval import run_eval
     from toolchain.evaluate.report import summary_lines
@@ -354,6 +355,7 @@ def eval_(
 
     with _handled():
         gates = _parse_gates(gate or [])
+        trusted_spec(engine_dir)  # the tokenizer is one of the engine's files: they are checked first (exit 4)
         require_tokenizer(engine_dir)
         out = output or default_report_dir(engine_dir)
         r = run_eval(

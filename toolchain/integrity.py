@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,10 @@ from toolchain.manifest import MANIFEST_NAME, sha256_file, verify
 EXIT_CODE = 4  # cli.py, README: an engine that does not match its manifest
 CACHE_MIN_BYTES = 1 << 20  # smaller files are hashed every time: cheaper than the cache's own bookkeeping
 _CACHE_ENTRIES = 4096  # the newest entries are kept; an old engine's files are simply hashed again
+# A file whose mtime or ctime is this recent is hashed but not cached: on a filesystem with coarse timestamps (FAT's
+# 2 s, some NFS) a rewrite within the same tick would keep the stat key (git's "racy" rule, the same cure).
+RACY_NS = 3_000_000_000
+_checked: dict[str, tuple[list[int], str]] = {}  # this process's hashes by stat key: eval and diff check twice
 
 
 class IntegrityError(UserError):
@@ -63,16 +69,27 @@ class HashCache:
 
     def sha256(self, path: Path) -> str:
         name, stat = _stat_key(path)
-        if stat[2] < CACHE_MIN_BYTES or self.path is None:
+        if stat[2] < CACHE_MIN_BYTES:
             return sha256_file(path)
+        seen = _checked.get(name)
+        if seen is not None and seen[0] == stat:
+            return seen[1]
         hit = self.entries.get(name)
-        if isinstance(hit, dict) and hit.get("stat") == stat and isinstance(hit.get("sha256"), str):
+        if (
+            self.path is not None
+            and isinstance(hit, dict)
+            and hit.get("stat") == stat
+            and isinstance(hit.get("sha256"), str)
+        ):
             return str(hit["sha256"])
         digest = sha256_file(path)
-        if _stat_key(path)[1] == stat:  # unchanged while it was read: the hash is of these bytes
-            self.entries.pop(name, None)
-            self.entries[name] = {"stat": stat, "sha256": digest}
-            self.dirty = True
+        settled = time.time_ns() - max(stat[3], stat[4]) > RACY_NS
+        if _stat_key(path)[1] == stat and settled:  # unchanged while read, and not within a timestamp's tick of now
+            _checked[name] = (stat, digest)
+            if self.path is not None:
+                self.entries.pop(name, None)
+                self.entries[name] = {"stat": stat, "sha256": digest}
+                self.dirty = True
         return digest
 
     def save(self) -> None:
@@ -87,6 +104,12 @@ class HashCache:
             os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only home: the next open hashes again, nothing else changes
+
+
+def cached_hasher() -> Callable[[Path], str]:
+    """A file's sha256 through this process's memo only (no cache file): for checks that are not an engine's
+    (a recipe's cached stages)."""
+    return HashCache(None).sha256
 
 
 def check_engine(engine_dir: Path) -> None:
@@ -104,6 +127,8 @@ def check_engine(engine_dir: Path) -> None:
         problems = verify(engine_dir, hasher=cache.sha256)
     except UserError as e:  # a manifest that no longer parses
         raise IntegrityError(f"{engine_dir}: {e}") from e
+    except OSError as e:  # a listed file that cannot be read (permissions, I/O error): not what was recorded either
+        raise IntegrityError(f"{engine_dir}: cannot read {e.filename or 'a file'} to check it ({e.strerror})") from e
     finally:
         cache.save()
     if problems:

@@ -26,7 +26,7 @@ from typing import Any
 
 from toolchain import __version__
 from toolchain.errors import UserError
-from toolchain.files import JSON_LIMIT, read_text_capped
+from toolchain.files import JSON_LIMIT, read_bytes_capped, read_text_capped
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -270,16 +270,16 @@ def seal_problem(directory: Path) -> str | None:
     """Why `directory`'s manifest.json is not exactly the text `StageRecord.write` wrote, or None. A manifest written
     before seals existed has none to check (None: its listed files are still checked)."""
     path = directory / MANIFEST_NAME
-    text = read_text_capped(path, JSON_LIMIT, "manifest")
+    raw = read_bytes_capped(path, JSON_LIMIT, "manifest")  # bytes: a CRLF copy is other bytes, another identity
     try:
-        data = json.loads(text)
+        data = json.loads(raw)
     except json.JSONDecodeError as e:
         return f"changed: {MANIFEST_NAME} (not valid JSON any more: {e})"
     if not isinstance(data, dict) or SEAL not in data:
         return None
     if data[SEAL] != _seal(data):
         return f"changed: {MANIFEST_NAME} (its seal says sha256 {data[SEAL]}, its content hashes to {_seal(data)})"
-    if text != json.dumps(data, indent=2) + "\n":
+    if raw != (json.dumps(data, indent=2) + "\n").encode():
         return f"changed: {MANIFEST_NAME} (same content, other bytes: it was re-formatted or edited)"
     return None
 
@@ -324,7 +324,7 @@ Hasher = Callable[[Path], str]
 
 def verify(directory: Path, check_inputs: bool = False, hasher: Hasher = sha256_file) -> list[str]:
     """Problems found re-hashing `directory` against its manifest (and the manifest against its seal); empty when
-    everything matches. `hasher`: how a file's sha256 is had (integrity.cached_sha256 skips unchanged files)."""
+    everything matches. `hasher`: how a file's sha256 is had (integrity.HashCache.sha256 skips unchanged files)."""
     seal = seal_problem(directory) if (directory / MANIFEST_NAME).is_file() else None
     try:
         manifest = read_manifest(directory)

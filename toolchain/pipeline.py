@@ -30,7 +30,8 @@ from toolchain.diff import baseline_settings, baseline_stage
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
 from toolchain.evaluate.engine_eval import run_eval
-from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, write_manifest
+from toolchain.integrity import cached_hasher
+from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import LoadedRecipe, Recipe
 
@@ -119,11 +120,10 @@ def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, 
         return None
     if manifest["details"].get("cache_key") != key:
         return None
-    for entry in manifest["outputs"]:  # a file edited or removed since: not reusable
-        path = src / entry["path"]
-        if not path.is_file() or path.stat().st_size != entry["size"]:
-            console.warn(f"{stage}: {path} changed since it was written; running the stage again")
-            return None
+    problems = verify(src, hasher=cached_hasher())  # a file edited, added or removed since: not reusable
+    if problems:
+        console.warn(f"{stage}: {src} is not as it was written ({problems[0]}); running the stage again")
+        return None
 
     def link_or_copy(a: str, b: str) -> None:
         try:

@@ -131,10 +131,6 @@ def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
     shapes = [ckpt.tensors[s].shape for s in rule.srcs]
     if rule.transpose:
         shapes = [tuple(reversed(s)) for s in shapes]
-    if rule.rows is not None:
-        start, stop = rule.rows
-        assert stop <= shapes[0][0], f"{rule.dst}: rows {rule.rows} beyond {rule.srcs[0]}'s {shapes[0][0]}"
-        return (stop - start, *shapes[0][1:])
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
@@ -159,12 +155,10 @@ def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, d
 
 
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
-    """Read the rule's sources (a fused one whole, once per output that takes rows of it), check, fuse, cast."""
+    """Read the rule's sources, check, fuse, cast."""
     parts = [reader.get(s) for s in out.rule.srcs]
     if out.rule.transpose:
         parts = [p.t() for p in parts]
-    if out.rule.rows is not None:  # a view: the cast below copies only these rows
-        parts = [parts[0][slice(*out.rule.rows)]]
     for name, part in zip(out.rule.srcs, parts, strict=True):
         _check_values(name, reader.file_of(name), out.name, part, dtype)
     tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)

@@ -83,7 +83,13 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
 
 
 def spec(cfg: ModelConfig) -> ModelSpec:
-    """Llama's layer, its MLP's gate and up fused in mlp.fc."""
+    """Llama's layer, its MLP's gate and up fused in mlp.fc. A checkpoint an older trtbuild wrote (Llama's split
+    mlp.fc / mlp.gate, hidden_act silu) is refused: read as fused it would be a different model."""
+    if cfg.hidden_act != "swiglu":
+        raise UserError(
+            f"config.json: Phi3ForCausalLM with hidden_act {cfg.hidden_act!r} is the split MLP layout trtbuild wrote "
+            "before it followed TensorRT-LLM's Phi-3 (fused mlp.fc, hidden_act swiglu); re-run `trtbuild convert`"
+        )
     base = llama_spec(cfg)
     layers = tuple(dataclasses.replace(ls, gate_up_fused=True) for ls in base.layers)
     return dataclasses.replace(base, layers=layers)

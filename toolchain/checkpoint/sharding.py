@@ -53,20 +53,14 @@ def split_of(name: str, gate_up_fused: bool = False) -> Split:
 
 @dataclass(frozen=True)
 class Rule:
-    """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), whether the sources are stored
-    transposed (GPT-2's Conv1D keeps [in, out]), and `rows`: the range [start, stop) of dim 0 (after any
-    transpose) taken from a single source that fuses several outputs (Phi-3's gate_up_proj)."""
+    """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are stored
+    transposed (GPT-2's Conv1D keeps [in, out])."""
 
     dst: str
     srcs: tuple[str, ...]
     transpose: bool = False
-    rows: tuple[int, int] | None = None
     offset: float = 0.0  # added in float32 before the cast (Gemma's norms: TensorRT-LLM stores 1 + w)
     halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
-
-    def __post_init__(self) -> None:
-        if self.rows is not None and (len(self.srcs) != 1 or not 0 <= self.rows[0] < self.rows[1]):
-            raise ValueError(f"{self.dst}: rows {self.rows} needs one source and 0 <= start < stop")
 
     @property
     def split(self) -> Split:

@@ -129,14 +129,14 @@ class ReferenceModel:
 
     def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
         layer = ls.prefix
-        h = self._linear(x, f"{layer}.mlp.fc", ls.mlp_bias)
+        act, h = ACTIVATIONS[ls.activation], self._linear(x, f"{layer}.mlp.fc", ls.mlp_bias)
         if ls.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate), swiglu's second half activated
             up, gate = h.chunk(2, dim=-1)
-            h = up * ACTIVATIONS[ls.activation](gate)
+            h = up * act(gate)
+        elif ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+            h = act(h) * self._linear(x, f"{layer}.mlp.gate", ls.mlp_bias)
         else:
-            h = ACTIVATIONS[ls.activation](h)
-        if ls.gated_mlp and not ls.gate_up_fused:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-            h = h * self._linear(x, f"{layer}.mlp.gate", ls.mlp_bias)
+            h = act(h)
         return self._linear(h, f"{layer}.mlp.proj", ls.mlp_bias and self.row_biases)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
