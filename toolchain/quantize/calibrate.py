@@ -123,7 +123,7 @@ class LayerwiseCalibration:
     full forward would give. `weights`: the tensors outside the layers, or the whole model's."""
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], windows: torch.Tensor) -> None:
-        self.model = model = ReferenceModel(config, weights, CALIB_DTYPE)
+        self.model = model = ReferenceModel(config, weights, CALIB_DTYPE, widen_lazily=True)
         self.calibration = Calibration.for_tokens(windows.numel())
         self.observer = Observer(self.calibration)
         model.hooks = self.observer
@@ -133,7 +133,7 @@ class LayerwiseCalibration:
         """Run decoder layer i on every batch; `weights`, its tensors, are in the model only meanwhile (None: the
         model holds them already)."""
         model, weights = self.model, weights or {}
-        model.w.update({n: t.to(model.dtype) for n, t in weights.items()})
+        model.w.update(weights)  # widened to CALIB_DTYPE where used, one tensor at a time
         self.batches = [(model.layer(h, i, positions), positions) for h, positions in self.batches]
         for n in weights:
             del model.w[n]

@@ -45,13 +45,40 @@ class Hooks:
         return k, v
 
 
+class Widened(dict[str, torch.Tensor]):
+    """Weights kept in their stored dtype and handed out in `dtype`, one tensor at a time: a float64 forward over a
+    float32 or bf16 checkpoint then holds one widened weight at a time, not a widened copy of the model (the
+    calibration's: 8 bytes a parameter for the embedding table and every layer would double or quadruple its
+    memory). `stored` gives a tensor as it is (the embedding lookup widens only the rows it takes)."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        super().__init__(weights)
+        self.dtype = dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return super().__getitem__(name).to(self.dtype)
+
+    def stored(self, name: str) -> torch.Tensor:
+        return super().__getitem__(name)
+
+
 class ReferenceModel:
     """A decoder-only transformer evaluated straight from TensorRT-LLM tensor names."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype = torch.float32,
+        widen_lazily: bool = False,
+    ):
+        """`widen_lazily`: keep the weights as stored and widen each where it is used (`Widened`): less memory, a
+        conversion per use (calibration); else every weight is converted to `dtype` once, here."""
         self.config = config
         self.dtype = dtype
-        self.w = {name: t.to(dtype) for name, t in weights.items()}
+        self.w: dict[str, torch.Tensor] = (
+            Widened(weights, dtype) if widen_lazily else {name: t.to(dtype) for name, t in weights.items()}
+        )
         self.hooks = Hooks()
         self.spec = spec_of(config)
         self.row_biases = True  # the row-parallel linears' (dense, proj) biases; a TP shard leaves them to the sum
@@ -141,7 +168,9 @@ class ReferenceModel:
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (plus learned position embeddings), before the spec's embedding scale."""
-        h = F.embedding(input_ids, self.w["transformer.vocab_embedding.weight"])
+        name = "transformer.vocab_embedding.weight"
+        table = self.w.stored(name) if isinstance(self.w, Widened) else self.w[name]
+        h = F.embedding(input_ids, table).to(self.dtype)
         if self.spec.learned_positions:
             h = h + self.w["transformer.position_embedding.weight"][positions]
         return h
