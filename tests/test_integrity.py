@@ -167,3 +167,14 @@ def test_a_manifest_with_other_line_endings_is_refused(built: dict[str, Path], t
     path.write_bytes(path.read_bytes().replace(b"\n", b"\r\n"))  # same JSON, other bytes: another manifest sha256
     with pytest.raises(IntegrityError, match=r"changed: manifest\.json \(same content, other bytes"):
         check_engine(engine)
+
+
+@pytest.mark.parametrize("damage", [b"\xff", b"}"])  # not UTF-8 any more; not JSON any more
+def test_a_manifest_damaged_past_parsing_is_named(damage: bytes, built: dict[str, Path], tmp_path: Path) -> None:
+    engine = tmp_path / "engine"
+    shutil.copytree(built["engine"], engine)
+    path = engine / MANIFEST_NAME
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 2] + damage + raw[len(raw) // 2 :])
+    with pytest.raises(IntegrityError, match=r"changed: manifest\.json \(not valid JSON any more"):
+        check_engine(engine)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.errors import UserError
-from toolchain.manifest import MANIFEST_NAME, sha256_file, verify
+from toolchain.manifest import MANIFEST_NAME, seal_problem, sha256_file, verify
 
 EXIT_CODE = 4  # cli.py, README: an engine that does not match its manifest
 CACHE_MIN_BYTES = 1 << 20  # smaller files are hashed every time: cheaper than the cache's own bookkeeping
@@ -125,8 +125,9 @@ def check_engine(engine_dir: Path) -> None:
     cache = HashCache(_cache_path())
     try:
         problems = verify(engine_dir, hasher=cache.sha256)
-    except UserError as e:  # a manifest that no longer parses
-        raise IntegrityError(f"{engine_dir}: {e}") from e
+    except UserError as e:  # a manifest that no longer parses: named as the changed file where it once was one
+        problem = seal_problem(engine_dir) or str(e)
+        raise IntegrityError(f"{engine_dir} does not match its manifest, refusing it: {problem}; rebuild it") from e
     except OSError as e:  # a listed file that cannot be read (permissions, I/O error): not what was recorded either
         raise IntegrityError(f"{engine_dir}: cannot read {e.filename or 'a file'} to check it ({e.strerror})") from e
     finally:

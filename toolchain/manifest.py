@@ -273,7 +273,7 @@ def seal_problem(directory: Path) -> str | None:
     raw = read_bytes_capped(path, JSON_LIMIT, "manifest")  # bytes: a CRLF copy is other bytes, another identity
     try:
         data = json.loads(raw)
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # not JSON, or not even UTF-8
         return f"changed: {MANIFEST_NAME} (not valid JSON any more: {e})"
     if not isinstance(data, dict) or SEAL not in data:
         return None
@@ -326,12 +326,7 @@ def verify(directory: Path, check_inputs: bool = False, hasher: Hasher = sha256_
     """Problems found re-hashing `directory` against its manifest (and the manifest against its seal); empty when
     everything matches. `hasher`: how a file's sha256 is had (integrity.HashCache.sha256 skips unchanged files)."""
     seal = seal_problem(directory) if (directory / MANIFEST_NAME).is_file() else None
-    try:
-        manifest = read_manifest(directory)
-    except UserError:
-        if seal:  # damaged past parsing: that is the problem to name
-            return [seal]
-        raise
+    manifest = read_manifest(directory)
     problems = ([seal] if seal else []) + _check_files(directory, manifest["outputs"], hasher=hasher)
     listed = {e["path"] for e in manifest["outputs"]} | {MANIFEST_NAME}
     problems += [
