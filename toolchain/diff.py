@@ -26,9 +26,8 @@ from typing import Any
 import torch
 
 from toolchain import console
-from toolchain.engine.api import BUILD_CONFIG, Engine, open_engine
+from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, open_trusted, trusted_spec
 from toolchain.errors import UserError
-from toolchain.integrity import check_engine
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.registry import by_algo
@@ -124,7 +123,7 @@ def load_side(path: Path, label: str) -> Side:
         )
     if kind == "run":
         read_manifest(path)  # a run dir without its own manifest was not finished
-    check_engine(engine_dir)  # every fact below comes from its manifest: the bytes must be the ones it records
+    trusted_spec(engine_dir)  # every fact below comes from its manifest: the bytes must be the ones it records
     manifests = {"build": read_manifest(engine_dir)}
     run_dir = path if kind == "run" else _enclosing_run(engine_dir)
     if run_dir is not None:
@@ -592,7 +591,8 @@ def diff(
 def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: dict[str, Any]) -> None:
     if data is None and opts.golden is None and opts.trace is None:
         return  # nothing asked of the models: the change table is the whole diff
-    engines = open_engine(old.engine_dir), open_engine(new.engine_dir)
+    # both were checked against their manifests in load_side: opened here without hashing them again
+    engines = open_trusted(EngineSpec.from_dir(old.engine_dir)), open_trusted(EngineSpec.from_dir(new.engine_dir))
     refusal = result["quality_refused"]  # two different models; the speed of those is still comparable
     if refusal is None and data is not None:
         tokens, refusal = _tokens(data, old, new, opts.max_tokens)

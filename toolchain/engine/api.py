@@ -272,7 +272,11 @@ def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
     """Open `engine_dir` with its own backend, or with `backend` (a TensorRT engine's model.onnx also runs on the
     CPU with backend='onnxruntime'). Its files are checked against its manifest first (integrity.check_engine:
     exit 4 on a mismatch); a TensorRT plan is checked against this machine before it is deserialized."""
-    spec = trusted_spec(engine_dir)
+    return open_trusted(trusted_spec(engine_dir), backend)
+
+
+def open_trusted(spec: EngineSpec, backend: str | None = None) -> Engine:
+    """`open_engine` for a spec `trusted_spec` already gave (the engine checked once, not once per step)."""
     chosen = backend or spec.backend
     if chosen not in BACKENDS:
         raise UserError(f"backend {chosen!r} is not supported; choose one of {', '.join(BACKENDS)}")

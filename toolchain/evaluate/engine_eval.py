@@ -238,7 +238,7 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.engine.api import BUILD_CONFIG, open_engine, trusted_spec
+    from toolchain.engine.api import BUILD_CONFIG, open_trusted, trusted_spec
 
     spec = trusted_spec(engine_dir)  # an engine dir that is what its manifest says, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
@@ -257,7 +257,7 @@ def run_eval(
             if not tok(item.prompt, add_special_tokens=True)["input_ids"]:
                 raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
-    engine = open_engine(engine_dir, backend)
+    engine = open_trusted(spec, backend)
     result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
     result.update(built=built(engine_dir), evaluated_with=evaluated_with(backend or spec.backend))
     if engine_label is not None:
