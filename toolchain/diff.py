@@ -271,10 +271,10 @@ def _versions(side: Side) -> dict[str, Any]:
 def _machine(side: Side) -> dict[str, Any]:
     """Where each stage ran (manifest.machine): context, not part of what was built (`CONTEXT_SECTIONS`)."""
     out: dict[str, Any] = {}
-    for stage in ("quantize", "build"):
-        host = (side.manifests.get(stage) or {}).get("host") or {}
-        keys = ("cpu", "arch", "isa", "cpu_capability", "torch_threads")
-        out.update({f"{stage}.{k}": host.get(k) for k in keys if stage == "build" or stage in side.manifests})
+    for stage in ("quantize", "build"):  # where calibration ran, and where the engine was built
+        if stage in side.manifests:
+            host = side.manifests[stage].get("host") or {}
+            out.update({f"{stage}.{k}": host.get(k) for k in ("cpu", "arch", "isa", "cpu_capability", "torch_threads")})
     return out
 
 

@@ -6,12 +6,13 @@ re-hashed and compared, a file the manifest does not list is refused, and the ma
 seal (manifest.SEAL). A mismatch raises `IntegrityError`, which the CLI turns into exit code 4 with one line naming the
 file and both hashes.
 
-Cost: sha256 of every byte, about 1.2-1.6 GB/s on one core here (bench/verify.py), so a 16 GB engine takes ~10-13 s
-plus the disk read. Repeated opens are kept cheap without trusting anything that could have changed: a file's hash
-is cached (in $XDG_CACHE_HOME/trtbuild/sha256-cache.json) against its device, inode, size, mtime and ctime in
-nanoseconds, and re-computed whenever any of them differs. Writing the file changes mtime and ctime; restoring the
-mtime (`touch -d`, `os.utime`) changes the ctime, which no user call can set back. TRTBUILD_HASH_CACHE=0 turns the
-cache off. The cache is the user's own file: whoever can write it can also write the engine.
+Cost: sha256 of every byte, about 1.0-1.4 GB/s on one core here (bench/verify.py, docs/engine.md), so a 16 GB engine
+takes ~11-16 s plus the disk read. Repeated opens are kept cheap without trusting anything that could have changed:
+a file's hash is cached (in $XDG_CACHE_HOME/trtbuild/sha256-cache.json) against its device, inode, size, mtime and
+ctime in nanoseconds, and re-computed whenever any of them differs. Writing the file changes mtime and ctime;
+restoring the mtime (`touch -d`, `os.utime`) changes the ctime, which no user call can set back.
+TRTBUILD_HASH_CACHE=0 turns the cache off. The cache is the user's own file: whoever can write it can also write the
+engine.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ _CACHE_ENTRIES = 4096  # the newest entries are kept; an old engine's files are 
 # A file whose mtime or ctime is this recent is hashed but not cached: on a filesystem with coarse timestamps (FAT's
 # 2 s, some NFS) a rewrite within the same tick would keep the stat key (git's "racy" rule, the same cure).
 RACY_NS = 3_000_000_000
-_checked: dict[str, tuple[list[int], str]] = {}  # this process's hashes by stat key: eval and diff check twice
+_checked: dict[str, tuple[list[int], str]] = {}  # this process's hashes by stat key (a run checks stages again)
 
 
 class IntegrityError(UserError):

@@ -296,11 +296,10 @@ class _Exporter:
                 helper.make_node("Split", [fc], [up, gate], name=f"{layer}.mlp.split", axis=-1, num_outputs=2)
             )
             m = b.op("Mul", [up, self.activation(gate, ls.activation, f"{layer}.mlp.act")], f"{layer}.mlp.gated")
-        elif ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-            m = self.activation(fc, ls.activation, f"{layer}.mlp.act")
-            m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ls.mlp_bias)], f"{layer}.mlp.gated")
         else:
             m = self.activation(fc, ls.activation, f"{layer}.mlp.act")
+            if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+                m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ls.mlp_bias)], f"{layer}.mlp.gated")
         m = self.linear(m, f"{layer}.mlp.proj", ls.mlp_bias)
         if ls.mlp_out_norm is not None:
             m = self.norm(m, ls.mlp_out_norm, f"{ls.mlp_out_norm.name}.out")

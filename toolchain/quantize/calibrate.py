@@ -9,8 +9,8 @@ all activations.
 The forward runs in float64 (`CALIB_DTYPE`), whatever the checkpoint's dtype, so that the statistics do not depend
 on the machine: a float32 forward's sums follow the CPU's matmul kernels (AVX2 and AVX-512 add in different orders),
 and their last bits decided the scales, so the bytes of a calibrated checkpoint changed with the CPU. In float64 two
-machines differ by ~1e-16 relative, far below the one rounding to float32 every statistic goes through on its way
-into a scale (docs/conversion.md, "Same bytes on any CPU")."""
+machines differ by ~1e-15 to 1e-13 relative, far below the one rounding to float32 every statistic goes through on
+its way into a scale (docs/conversion.md, "Same bytes on any CPU", says what risk is left)."""
 
 from __future__ import annotations
 
