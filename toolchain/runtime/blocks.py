@@ -11,6 +11,10 @@ therefore costs a cache miss, never another sequence's KV.
 Full blocks are immutable once computed: only full blocks are shared, and a sharer always computes at least one
 token past them, so no copy-on-write is needed. A block whose last user is gone goes back to the free list but keeps
 its contents and hash until it is handed out again, so a later request with the same prefix can take it back.
+
+Two levels, as in nano-vllm and vLLM: blocks (`allocate`, `release`, `match_prefix`, `register`) and requests
+(`allocate_for`, `share_prefix`, `advance`, `free`). The scheduler and the step loop use the request verbs only: a
+request's block table, computed-token count and registered-block count change here and nowhere else.
 """
 
 from __future__ import annotations
@@ -18,8 +22,12 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from toolchain.runtime.request import Request
 
 ROOT_HASH = b"trtbuild-kv-v1"  # h_{-1}: the chain's start, versioned so that a layout change invalidates nothing
 
@@ -50,26 +58,31 @@ class BlockManager:
         self.prefix_sharing = prefix_sharing
         self.refcount = [0] * num_blocks
         self.generation = [0] * num_blocks  # bumped on every allocation: a parent link names one lifetime
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
+        self.free_list: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # LRU order
         self.cached: dict[int, _Cached] = {}  # block -> what it holds, for findable blocks
         self.block_of: dict[bytes, int] = {}  # chained hash -> block
         self.hash = block_hash  # replaceable in tests, to force collisions
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free_list)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - len(self.free_list)
 
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks that hold `tokens` tokens."""
+        return -(-tokens // self.tokens_per_block)
+
+    # -- blocks -------------------------------------------------------------------------------------------------
     def can_allocate(self, n: int, keep_watermark: bool = True) -> bool:
-        return n <= len(self.free) - (self.watermark_blocks if keep_watermark else 0)
+        return n <= len(self.free_list) - (self.watermark_blocks if keep_watermark else 0)
 
     def allocate(self) -> int:
-        if not self.free:
+        if not self.free_list:
             raise OutOfBlocks("no free KV blocks")
-        block, _ = self.free.popitem(last=False)  # least recently freed first: keeps recent prefixes longest
+        block, _ = self.free_list.popitem(last=False)  # least recently freed first: keeps recent prefixes longest
         old = self.cached.pop(block, None)
         if old is not None and self.block_of.get(old.hash) == block:
             del self.block_of[old.hash]
@@ -83,7 +96,7 @@ class BlockManager:
                 raise RuntimeError(f"KV block {block} released more often than it was taken")
             self.refcount[block] -= 1
             if self.refcount[block] == 0:
-                self.free[block] = None
+                self.free_list[block] = None
 
     def extend_hashes(self, tokens: list[int], hashes: list[bytes], full_blocks: int) -> list[bytes]:
         """Grow a request's hash chain `hashes` (in place) to cover `full_blocks` blocks of `tokens`."""
@@ -106,7 +119,7 @@ class BlockManager:
             if entry is None or entry.parent != parent or entry.tokens != tuple(tokens[i * t : (i + 1) * t]):
                 break  # a miss, or a collision caught by the content check
             if self.refcount[block] == 0:
-                del self.free[block]
+                del self.free_list[block]
             self.refcount[block] += 1
             taken.append(block)
             parent = (block, self.generation[block])
@@ -128,3 +141,43 @@ class BlockManager:
             self.block_of[h] = block
             self.cached[block] = _Cached(h, tuple(tokens[i * t : (i + 1) * t]), parent)
         return full
+
+    # -- requests -----------------------------------------------------------------------------------------------
+    def can_allocate_for(self, request: Request, tokens: int, keep_watermark: bool = True) -> bool:
+        """Whether the free blocks (less the watermark, unless told otherwise) let `request` hold `tokens` tokens."""
+        return self.can_allocate(self.blocks_for(tokens) - len(request.blocks), keep_watermark)
+
+    def allocate_for(self, request: Request, tokens: int) -> bool:
+        """Grow `request`'s block table to hold `tokens` tokens in total, watermark or not; False, with nothing
+        taken, when there are not enough free blocks."""
+        need = self.blocks_for(tokens) - len(request.blocks)
+        if need <= 0:
+            return True
+        if not self.can_allocate(need, keep_watermark=False):
+            return False
+        request.blocks += [self.allocate() for _ in range(need)]
+        return True
+
+    def share_prefix(self, request: Request) -> int:
+        """Start a request with no blocks on the cached blocks of its longest prefix, counted as computed; returns
+        how many tokens it found."""
+        assert not request.blocks, f"{request.id} already holds blocks"
+        shared = self.match_prefix(request.tokens, request.block_hashes)
+        request.blocks = shared
+        request.num_computed = len(shared) * self.tokens_per_block
+        request.registered = len(shared)
+        return request.num_computed
+
+    def advance(self, request: Request, tokens: int) -> None:
+        """`tokens` more of the request's tokens are in the cache; the blocks they filled become findable."""
+        request.num_computed += tokens
+        if request.num_computed // self.tokens_per_block > request.registered:
+            request.registered = self.register(
+                request.tokens, request.blocks, request.num_computed, request.block_hashes, request.registered
+            )
+
+    def free(self, request: Request) -> None:
+        """Give back the request's blocks: it holds nothing in the cache any more (its hash chain stays: it names
+        tokens, not blocks)."""
+        self.release(request.blocks)
+        request.blocks, request.num_computed, request.registered = [], 0, 0

@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from toolchain.engine.api import Engine
 from toolchain.runtime.loop import Runtime
-from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent
+from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent
 
 _IDLE_TICK_S = 0.5
 
@@ -46,7 +46,7 @@ class Completion:
     prompt_tokens: int
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None
 
 
@@ -116,8 +116,9 @@ class RequestStream:
             if event.token is not None:
                 ids.append(event.token)
             text.append(event.text)
+        assert event.finish_reason is not None  # the stream ends on its finishing event
         self._completion = Completion(
-            self.request_id, len(self.prompt), ids, "".join(text), str(event.finish_reason), event.error
+            self.request_id, len(self.prompt), ids, "".join(text), event.finish_reason, event.error
         )
         return self._completion
 
@@ -177,7 +178,7 @@ class LLMEngine:
             try:
                 stream.request = self.runtime.add_request(ids, params, stream.request_id, timeout, stream.put)
             except ValueError as e:  # a duplicate id: end this stream, leave the live one alone
-                stream.put(TokenEvent(stream.request_id, None, "", "error", str(e), len(ids), 0))
+                stream.put(TokenEvent(stream.request_id, None, "", FinishReason.ERROR, str(e), len(ids), 0))
 
         self._command(admit)
         return stream
@@ -236,7 +237,7 @@ class LLMEngine:
             except Exception as e:  # a bug outside the engine call: end what is live, keep the loop alive
                 self.failure = f"{type(e).__name__}: {e}"
                 with contextlib.suppress(Exception):
-                    rt.end_all(Status.FAILED, "error", f"internal error: {self.failure}")
+                    rt.end_all(Status.FAILED, FinishReason.ERROR, f"internal error: {self.failure}")
                 self._dispatch()
             self.heartbeat = time.monotonic()
 
@@ -247,7 +248,7 @@ class LLMEngine:
             with self._lock:  # closed to new commands: apply the last ones, then end everything still live
                 while self._inbox:
                     self._inbox.popleft()()
-            rt.end_all(Status.CANCELLED, "shutdown")
+            rt.end_all(Status.CANCELLED, FinishReason.SHUTDOWN)
             self._dispatch()
             self._stopped = True
             return
@@ -260,7 +261,7 @@ class LLMEngine:
             rt.step()
         except Exception as e:  # an engine failure ends the requests in flight, not the server
             self.failure = f"{type(e).__name__}: {e}"
-            rt.end_all(Status.FAILED, "error", f"engine error: {self.failure}")
+            rt.end_all(Status.FAILED, FinishReason.ERROR, f"engine error: {self.failure}")
         if self.on_step is not None:
             self.on_step(rt)
         self._dispatch()

@@ -17,7 +17,7 @@ from toolchain.engine.api import Engine, Limits
 from toolchain.engine.contract import Batch
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.detokenizer import Decoder, IncrementalDetokenizer
-from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent
+from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent
 from toolchain.runtime.sampler import sample
 from toolchain.runtime.scheduler import Scheduler
 
@@ -69,7 +69,7 @@ class Runtime:
                 f"prompt {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds the engine's max_seq_len "
                 f"{self.limits.max_seq_len}"
             )
-        if -(-total // self.blocks.tokens_per_block) > self.blocks.num_blocks - self.blocks.watermark_blocks:
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks - self.blocks.watermark_blocks:
             return f"needs more KV blocks than the whole pool ({self.blocks.num_blocks}) holds"
         return None
 
@@ -96,7 +96,7 @@ class Runtime:
         self.requests[request.id] = request
         problem = self.check_request(request.prompt, request.params)
         if problem:
-            self._retire(request, Status.FAILED, "error", problem)
+            self._retire(request, Status.FAILED, FinishReason.ERROR, problem)
         else:
             self.scheduler.add(request)
         self._flush()
@@ -107,17 +107,19 @@ class Runtime:
         request = self.requests.get(request_id)
         if request is None:
             return False
-        self._retire(request, Status.CANCELLED, "cancelled")
+        self._retire(request, Status.CANCELLED, FinishReason.CANCELLED)
         self._flush()
         return True
 
-    def end_all(self, status: Status, reason: str, error: str | None = None) -> None:
+    def end_all(self, status: Status, reason: FinishReason, error: str | None = None) -> None:
         """End every live request (shutdown, or an engine call that raised)."""
         for request in list(self.requests.values()):
             self._retire(request, status, reason, error)
         self._flush()
 
-    def _retire(self, request: Request, status: Status, reason: str, error: str | None = None, text: str = "") -> None:
+    def _retire(
+        self, request: Request, status: Status, reason: FinishReason, error: str | None = None, text: str = ""
+    ) -> None:
         if request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
         self.scheduler.free(request)
@@ -126,7 +128,7 @@ class Runtime:
         self.requests.pop(request.id, None)
         self._emit(request, None, text, reason)
 
-    def _emit(self, request: Request, token: int | None, text: str, reason: str | None = None) -> None:
+    def _emit(self, request: Request, token: int | None, text: str, reason: FinishReason | None = None) -> None:
         if request.on_event is not None:
             event = TokenEvent(
                 request.id, token, text, reason, request.error, len(request.prompt), len(request.generated)
@@ -161,7 +163,8 @@ class Runtime:
         while self._deadlines and self._deadlines[0][0] < now:
             deadline, _, request = heapq.heappop(self._deadlines)
             if not request.done:
-                self._retire(request, Status.FAILED, "timeout", f"timed out after {deadline - request.arrival:g} s")
+                why = f"timed out after {deadline - request.arrival:g} s"
+                self._retire(request, Status.FAILED, FinishReason.TIMEOUT, why)
                 expired.append(request)
         if len(self._deadlines) > 2 * len(self.requests) + 64:  # ended requests' entries: drop, memory stays flat
             self._deadlines = [d for d in self._deadlines if not d[2].done]
@@ -191,23 +194,18 @@ class Runtime:
         step = self.engine.forward_tokens(batch, self.pool, sampled)
         greedy_ids = step.greedy.tolist()  # Python ints at once: indexing numpy per row costs ~10x more
         self.steps += 1
-        tpb = self.blocks.tokens_per_block
         for i, s in enumerate(scheduled):
             request = s.request
             if request.done:  # cancelled while this step ran
                 continue
-            request.num_computed += len(s.tokens)
-            if request.num_computed // tpb > request.registered:  # a block filled: offer it to the prefix cache
-                request.registered = self.blocks.register(
-                    request.tokens, request.blocks, request.num_computed, request.block_hashes, request.registered
-                )
+            self.blocks.advance(request, len(s.tokens))
             if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
                 continue
             try:
                 greedy = request.params.temperature == 0
                 token = greedy_ids[i] if greedy else sample(step.rows[i], request.params, request.generator)
             except (RuntimeError, ValueError) as e:  # this request's logits or parameters: not the batch's problem
-                self._retire(request, Status.FAILED, "error", f"sampling failed: {e}")
+                self._retire(request, Status.FAILED, FinishReason.ERROR, f"sampling failed: {e}")
                 ended.append(request)
                 continue
             self._accept(request, token, ended)
@@ -229,11 +227,11 @@ class Runtime:
             text = detok.add(token)
         reason = None
         if token in p.stop_token_ids:
-            reason = "stop_token"
+            reason = FinishReason.STOP_TOKEN
         elif detok is not None and detok.stopped is not None:
-            reason = "stop_string"
+            reason = FinishReason.STOP_STRING
         elif len(request.generated) >= p.max_new_tokens:
-            reason = "length"
+            reason = FinishReason.LENGTH
         if reason is None:
             self._emit(request, token, text)
             return

@@ -1,4 +1,5 @@
-"""A request's state through the runtime: waiting -> running -> finished / cancelled / failed."""
+"""A request's state through the runtime: waiting -> running -> finished / cancelled / failed, and why it ended
+(`FinishReason`, with the OpenAI name and HTTP status the server answers with)."""
 
 from __future__ import annotations
 
@@ -32,16 +33,65 @@ class SamplingParams:
             raise ValueError(f"seed {self.seed}: must be in [0, 2**64)")
 
 
+class FinishReason(str, enum.Enum):
+    """Why a request ended. The value is the runtime's own name, the one events, logs, replay and bench JSON carry:
+    a member is that string wherever it is printed, compared or serialized (`enum.StrEnum`, which Python 3.10
+    lacks)."""
+
+    LENGTH = "length"  # max_new_tokens reached
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    CANCELLED = "cancelled"  # aborted by its caller (the server: its client went away)
+    TIMEOUT = "timeout"  # past its deadline
+    SHUTDOWN = "shutdown"  # still live when the engine loop closed
+    ERROR = "error"  # refused at admission, sampling failed, or the engine call raised
+
+    def __str__(self) -> str:
+        return str.__str__(self)
+
+    def __format__(self, spec: str) -> str:
+        return str.__format__(self, spec)
+
+    @property
+    def openai(self) -> str:
+        """OpenAI's `finish_reason` (vLLM's extension adds abort and error), also vLLM's `finished_reason` metric
+        label."""
+        return _WIRE[self][0]
+
+    @property
+    def http_status(self) -> int:
+        """The HTTP status the server records for a request that ended so (499: the client closed it, nginx's
+        code)."""
+        return _WIRE[self][1]
+
+    @property
+    def is_error(self) -> bool:
+        """The server answers with an error (`http_status`) instead of a completion."""
+        return _WIRE[self][2]
+
+
+# reason -> (OpenAI name, HTTP status, answered with an error)
+_WIRE: dict[FinishReason, tuple[str, int, bool]] = {
+    FinishReason.LENGTH: ("length", 200, False),
+    FinishReason.STOP_TOKEN: ("stop", 200, False),
+    FinishReason.STOP_STRING: ("stop", 200, False),
+    FinishReason.CANCELLED: ("abort", 499, False),  # nobody is left to answer
+    FinishReason.TIMEOUT: ("abort", 408, True),
+    FinishReason.SHUTDOWN: ("abort", 503, True),
+    FinishReason.ERROR: ("error", 500, True),
+}
+
+
 @dataclass(frozen=True)
 class TokenEvent:
     """What a request's stream receives: a new token with the text it completes, and on the last event the
-    finish reason (length, stop_token, stop_string, cancelled, timeout, error). A request that ends without a
-    new token (cancelled, timed out, refused) gets one event with token None."""
+    finish reason. A request that ends without a new token (cancelled, timed out, refused) gets one event with
+    token None."""
 
     request_id: str
     token: int | None
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -73,16 +123,17 @@ class Request:
     detok: IncrementalDetokenizer | None = None  # text and stop strings, when the runtime has a tokenizer
     status: Status = Status.WAITING
     generated: list[int] = field(default_factory=list)
+    # the KV state: the BlockManager's to change (allocate_for, share_prefix, advance, free), everyone's to read
     blocks: list[int] = field(default_factory=list)  # the block table
     num_computed: int = 0  # tokens whose K/V are in the cache
-    finish_reason: str | None = None  # length, stop_token, stop_string, cancelled, timeout, error
+    finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled: float | None = None
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
-    registered: int = 0  # full blocks already offered to the prefix cache
+    registered: int = 0  # full blocks already offered to the prefix cache (BlockManager's, like `blocks`)
     tokens: list[int] = field(init=False)  # prompt + generated: what the model must have seen before the next sample
     seed: int = field(init=False)
     _generator: torch.Generator | None = field(init=False, default=None)

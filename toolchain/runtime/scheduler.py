@@ -47,28 +47,14 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.blocks.tokens_per_block)
-
-    def _grow(self, request: Request, tokens: int) -> bool:
-        """Give `request` blocks for `tokens` tokens in total; False (nothing taken) if there are not enough."""
-        need = self._blocks_for(tokens) - len(request.blocks)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need, keep_watermark=False):
-            return False
-        request.blocks += [self.blocks.allocate() for _ in range(need)]
-        return True
-
     def free(self, request: Request) -> None:
-        self.blocks.release(request.blocks)
-        request.blocks = []
+        """The request ended: its blocks go back and it leaves the running batch."""
+        self.blocks.free(request)
         if request in self.running:
             self.running.remove(request)
 
     def _preempt(self, victim: Request) -> None:
         self.free(victim)
-        victim.num_computed = victim.registered = 0
         victim.status = Status.WAITING
         victim.preemptions += 1
         self.preempted += 1
@@ -81,7 +67,7 @@ class Scheduler:
         for request in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival):
             if request.status is not Status.RUNNING or budget == 0:  # preempted by an earlier decode this step
                 continue
-            while not self._grow(request, request.num_computed + 1):
+            while not self.blocks.allocate_for(request, request.num_computed + 1):
                 scheduled = {id(s.request) for s in out}
                 victim = next(r for r in reversed(self.running) if id(r) not in scheduled)  # most recently admitted
                 self._preempt(victim)
@@ -96,12 +82,12 @@ class Scheduler:
             if budget == 0 or len(out) >= self.max_batch_size:
                 break
             chunk = min(request.pending, budget)
-            if not self._grow(request, request.num_computed + chunk):
+            if not self.blocks.allocate_for(request, request.num_computed + chunk):
                 # shrink the chunk to the blocks there are; with none, admit nobody new this step, so that the
                 # blocks finishing requests free go to this prefill instead of to newcomers
                 room = (len(request.blocks) + self.blocks.num_free) * self.blocks.tokens_per_block
                 chunk = min(chunk, room - request.num_computed)
-                if chunk <= 0 or not self._grow(request, request.num_computed + chunk):
+                if chunk <= 0 or not self.blocks.allocate_for(request, request.num_computed + chunk):
                     starved = True
                     continue
             out.append(
@@ -119,19 +105,13 @@ class Scheduler:
         ):
             request = self.waiting[0]
             total = len(request.tokens) + request.params.max_new_tokens - len(request.generated)
-            if self.policy == "guaranteed_no_evict":
-                reserve = self._blocks_for(total)
-                if not self.blocks.can_allocate(reserve):
-                    break
-            shared = self.blocks.match_prefix(request.tokens, request.block_hashes)
-            request.blocks = shared
-            request.num_computed = len(shared) * self.blocks.tokens_per_block
-            request.registered = len(shared)
+            if self.policy == "guaranteed_no_evict" and not self.blocks.can_allocate(self.blocks.blocks_for(total)):
+                break
+            self.blocks.share_prefix(request)
             chunk = min(request.pending, budget)
             target = total if self.policy == "guaranteed_no_evict" else request.num_computed + chunk
-            if not self.blocks.can_allocate(self._blocks_for(target) - len(shared)) or not self._grow(request, target):
-                self.blocks.release(shared)
-                request.blocks, request.num_computed, request.registered = [], 0, 0
+            if not self.blocks.can_allocate_for(request, target) or not self.blocks.allocate_for(request, target):
+                self.blocks.free(request)  # the shared prefix goes back too
                 break
             self.waiting.popleft()
             request.status = Status.RUNNING

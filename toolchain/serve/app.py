@@ -33,7 +33,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from toolchain.engine.api import Engine
 from toolchain.runtime.llm_engine import LLMEngine, RequestStream
-from toolchain.runtime.request import SamplingParams, TokenEvent
+from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent
 from toolchain.serve import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HOST,
@@ -59,16 +59,6 @@ from toolchain.serve.protocol import (
 
 log = logging.getLogger("trtbuild.serve")
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
-# runtime finish reason -> OpenAI's finish_reason, which is also vLLM's `finished_reason` metric label
-FINISH = {
-    "length": "length",
-    "stop_token": "stop",
-    "stop_string": "stop",
-    "cancelled": "abort",
-    "timeout": "abort",
-    "shutdown": "abort",
-    "error": "error",
-}
 # below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
 # of them would fail the step, and with it every request in the batch
 GREEDY_BELOW = 1e-5
@@ -100,6 +90,13 @@ class _Admitted:
     token_times: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     final: TokenEvent | None = None
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """How it ended; a handler that stopped before the final event (its client went away) counts as
+        cancelled."""
+        reason = self.final.finish_reason if self.final is not None else None
+        return reason or FinishReason.CANCELLED
 
 
 class ServerState:
@@ -226,7 +223,7 @@ def _install_probes(app: FastAPI, state: ServerState) -> None:
         except asyncio.TimeoutError:
             state.llm.abort(stream.request_id)
             return JSONResponse({"status": "no token within the heartbeat timeout"}, status_code=503)
-        if event.finish_reason == "error":
+        if event.finish_reason is FinishReason.ERROR:
             return JSONResponse({"status": f"engine error: {event.error}"}, status_code=503)
         return JSONResponse({"status": "ok", "token": event.token, "latency_s": time.monotonic() - started})
 
@@ -473,16 +470,24 @@ async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, req
             state.llm.abort(a.id)
         _finish(state, a)
     assert a.final is not None
-    final = a.final
-    if final.finish_reason == "shutdown":
-        raise _unavailable("the server shut down before the request finished")
-    if final.finish_reason == "timeout":
-        raise _reject(state, "timeout", ApiError(408, f"request timed out: {final.error}", "timeout"))
-    if final.finish_reason == "error":
-        raise ApiError(500, f"the engine failed: {final.error}", "server_error")
-    finish = FINISH[str(final.finish_reason)]
-    use = usage(len(a.prompt_ids), final.generated_tokens)
-    return JSONResponse(completion_body(a.id, model, "".join(a.text), finish, use, chat, chunk=False))
+    error = _finish_error(state, a.final)
+    if error is not None:
+        raise error
+    use = usage(len(a.prompt_ids), a.final.generated_tokens)
+    return JSONResponse(completion_body(a.id, model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False))
+
+
+def _finish_error(state: ServerState, final: TokenEvent) -> ApiError | None:
+    """The error a request that ended so is answered with (a JSON response, or an SSE event once a stream has
+    begun), or None when it is answered with a completion."""
+    reason = final.finish_reason
+    if reason is None or not reason.is_error:
+        return None
+    if reason is FinishReason.SHUTDOWN:
+        return _unavailable("the server shut down before the request finished")
+    if reason is FinishReason.TIMEOUT:
+        return _reject(state, "timeout", ApiError(reason.http_status, f"request timed out: {final.error}", "timeout"))
+    return ApiError(reason.http_status, f"the engine failed: {final.error}", "server_error")
 
 
 def _sse_data(body: dict[str, Any]) -> str:
@@ -502,16 +507,11 @@ async def _sse(
                 yield _sse_data(completion_body(a.id, model, event.text, None, None, chat, chunk=True))
             if not event.finished:
                 continue
-            reason = str(event.finish_reason)
-            if reason == "shutdown":
-                yield _sse_data(_unavailable("the server shut down before the request finished").body())
-            elif reason == "timeout":  # headers are sent: the error travels as an event, as OpenAI's does
-                state.metrics.rejections.labels("timeout").inc()
-                yield _sse_data(ApiError(408, f"request timed out: {event.error}", "timeout").body())
-            elif reason == "error":
-                yield _sse_data(ApiError(500, f"the engine failed: {event.error}", "server_error").body())
+            error = _finish_error(state, event)
+            if error is not None:  # headers are sent: the error travels as an event, as OpenAI's does
+                yield _sse_data(error.body())
             else:
-                yield _sse_data(completion_body(a.id, model, "", FINISH[reason], None, chat, chunk=True))
+                yield _sse_data(completion_body(a.id, model, "", a.finish_reason.openai, None, chat, chunk=True))
             if include_usage:
                 tail = completion_body(
                     a.id, model, "", None, usage(len(a.prompt_ids), event.generated_tokens), chat, chunk=True
@@ -525,26 +525,22 @@ async def _sse(
         _finish(state, a)
 
 
-# 499: the client closed the request (nginx's code); 503: the server shut down before the request finished
-_STATUS = {"timeout": 408, "error": 500, "cancelled": 499, "shutdown": 503}
-
-
 def _finish(state: ServerState, a: _Admitted) -> None:
     """Once per admitted request: metrics, token accounting, rate-limit settlement, the log line."""
     state.inflight -= 1
-    reason = str(a.final.finish_reason) if a.final is not None else "cancelled"
+    reason = a.finish_reason
     generated = a.final.generated_tokens if a.final is not None else len(a.token_times)
     state.limiter.settle(a.key_id, a.reserved, len(a.prompt_ids) + generated)
     state.metrics.key_tokens.labels(a.key_id, "prompt").inc(len(a.prompt_ids))
     state.metrics.key_tokens.labels(a.key_id, "generation").inc(generated)
     if a.stream.request is not None:
-        state.metrics.observe_request(a.stream.request, FINISH[reason], a.arrived, a.token_times)
+        state.metrics.observe_request(a.stream.request, reason.openai, a.arrived, a.token_times)
     line: dict[str, Any] = {
         "event": "request",
         "id": a.id,
         "key_id": a.key_id,
-        "status": _STATUS.get(reason, 200),
-        "finish_reason": reason,
+        "status": reason.http_status,
+        "finish_reason": reason.value,
         "prompt_tokens": len(a.prompt_ids),
         "completion_tokens": generated,
         "ttft_s": round(a.token_times[0] - a.arrived, 6) if a.token_times else None,
