@@ -13,8 +13,9 @@ token past them, so no copy-on-write is needed. A block whose last user is gone 
 its contents and hash until it is handed out again, so a later request with the same prefix can take it back.
 
 Two levels, as in nano-vllm and vLLM: blocks (`allocate`, `release`, `match_prefix`, `register`) and requests
-(`allocate_for`, `share_prefix`, `advance`, `free`). The scheduler and the step loop use the request verbs only: a
-request's block table, computed-token count and registered-block count change here and nowhere else.
+(`can_allocate_for` / `allocate_for`, `share_prefix`, `advance`, `free`). The scheduler and the step loop use the
+request verbs only: a request's block table, computed-token count and registered-block count change here and
+nowhere else.
 """
 
 from __future__ import annotations
