@@ -88,6 +88,7 @@ def test_request_verbs_allocate_share_advance_and_free() -> None:
     assert bm.share_prefix(second) == 12 and second.blocks == [0, 1, 2] and second.registered == 3
     assert not bm.can_allocate_for(second, 13 + 3 * 4) and not bm.allocate_for(second, 13 + 3 * 4)
     assert second.blocks == [0, 1, 2]  # a refusal takes nothing
+    assert bm.max_tokens_for(second) == (3 + 2) * 4  # its own blocks and the 2 free ones
     bm.free(second)
     bm.free(first)
     assert (first.blocks, first.num_computed, first.registered) == ([], 0, 0)

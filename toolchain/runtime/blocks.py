@@ -148,6 +148,10 @@ class BlockManager:
         """Whether the free blocks (less the watermark, unless told otherwise) let `request` hold `tokens` tokens."""
         return self.can_allocate(self.blocks_for(tokens) - len(request.blocks), keep_watermark)
 
+    def max_tokens_for(self, request: Request) -> int:
+        """The most tokens `request` could hold: its own blocks and every free one."""
+        return (len(request.blocks) + len(self.free_list)) * self.tokens_per_block
+
     def allocate_for(self, request: Request, tokens: int) -> bool:
         """Grow `request`'s block table to hold `tokens` tokens in total, watermark or not; False, with nothing
         taken, when there are not enough free blocks."""

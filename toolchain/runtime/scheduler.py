@@ -85,8 +85,7 @@ class Scheduler:
             if not self.blocks.allocate_for(request, request.num_computed + chunk):
                 # shrink the chunk to the blocks there are; with none, admit nobody new this step, so that the
                 # blocks finishing requests free go to this prefill instead of to newcomers
-                room = (len(request.blocks) + self.blocks.num_free) * self.blocks.tokens_per_block
-                chunk = min(chunk, room - request.num_computed)
+                chunk = min(chunk, self.blocks.max_tokens_for(request) - request.num_computed)
                 if chunk <= 0 or not self.blocks.allocate_for(request, request.num_computed + chunk):
                     starved = True
                     continue
@@ -105,7 +104,7 @@ class Scheduler:
         ):
             request = self.waiting[0]
             total = len(request.tokens) + request.params.max_new_tokens - len(request.generated)
-            if self.policy == "guaranteed_no_evict" and not self.blocks.can_allocate(self.blocks.blocks_for(total)):
+            if self.policy == "guaranteed_no_evict" and not self.blocks.can_allocate_for(request, total):
                 break
             self.blocks.share_prefix(request)
             chunk = min(request.pending, budget)
