@@ -11,12 +11,13 @@ import torch
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.quantize.awq import AwqChoice, quantize_awq, search_group, shared_input_groups
 from toolchain.quantize.core import pack_int4
-from toolchain.quantize.methods.base import Context, Layer, info
+from toolchain.quantize.methods.base import PREQUANT, WEIGHT, WEIGHT_SCALE, Context, Layer, info
 from toolchain.quantize.methods.w4a16 import GroupwiseInt4, _check_even
 
 
 class W4A16Awq(GroupwiseInt4):
     quant_algo = "W4A16_AWQ"
+    suffixes = (WEIGHT, WEIGHT_SCALE, PREQUANT)
     needs_calibration = True
     streamable = False
     pre_quant_scale = True

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
-from toolchain.quantize.methods.base import Context, Layer, info
+from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, WEIGHT, WEIGHT_SCALE, Context, Layer, info
 from toolchain.quantize.methods.w8a16 import PerChannelInt8
 from toolchain.quantize.smoothquant import smooth_layer
 
@@ -24,6 +24,7 @@ def activation_scale(amax: float, maxbound: float) -> torch.Tensor:
 
 class W8A8SQ(PerChannelInt8):
     quant_algo = "W8A8_SQ_PER_CHANNEL"
+    suffixes = (WEIGHT, WEIGHT_SCALE, ACTIVATION_SCALE, PREQUANT)
     needs_calibration = True
     streamable = False
     activation_kind = "INT8"
