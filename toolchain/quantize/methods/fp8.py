@@ -51,9 +51,9 @@ class FP8(QuantMethod):
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         out_dim, in_dim = shape
         return {
-            **info(f"{prefix}.weight", torch.float8_e4m3fn, out_dim, in_dim),
-            **info(f"{prefix}.weights_scaling_factor", torch.float32, 1),
-            **info(f"{prefix}.activation_scaling_factor", torch.float32, 1),
+            **info(f"{prefix}.{WEIGHT}", torch.float8_e4m3fn, out_dim, in_dim),
+            **info(f"{prefix}.{WEIGHT_SCALE}", torch.float32, 1),
+            **info(f"{prefix}.{ACTIVATION_SCALE}", torch.float32, 1),
         }
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
@@ -74,9 +74,9 @@ class FP8(QuantMethod):
         linears = fused.linears if fused else (prefix,)  # fused: one activation scale too (the max)
         act = activation_scale(max(ctx.calib.input_amax[p] for p in linears), FP8_E4M3_MAX)
         return {
-            f"{prefix}.weight": codes,
-            f"{prefix}.weights_scaling_factor": scale,
-            f"{prefix}.activation_scaling_factor": act,
+            f"{prefix}.{WEIGHT}": codes,
+            f"{prefix}.{WEIGHT_SCALE}": scale,
+            f"{prefix}.{ACTIVATION_SCALE}": act,
         }
 
     def dequantize(self, s: Stored) -> torch.Tensor:

@@ -30,8 +30,8 @@ class GroupwiseInt4(QuantMethod):
         _check_even(prefix, out_dim)
         padded = in_dim + (-in_dim % ctx.group_size)
         return {
-            **info(f"{prefix}.weight", torch.int8, out_dim // 2, padded),
-            **info(f"{prefix}.weights_scaling_factor", torch.float32, out_dim, padded // ctx.group_size),
+            **info(f"{prefix}.{WEIGHT}", torch.int8, out_dim // 2, padded),
+            **info(f"{prefix}.{WEIGHT_SCALE}", torch.float32, out_dim, padded // ctx.group_size),
         }
 
     def dequantize(self, s: Stored) -> torch.Tensor:
@@ -57,4 +57,4 @@ class W4A16(GroupwiseInt4):
         _check_even(prefix, weight.shape[0])
         pad = -weight.shape[1] % ctx.group_size  # zero input channels: exact whatever the input
         codes, scale = quantize_groupwise(F.pad(weight.float(), (0, pad)), ctx.group_size)
-        return {f"{prefix}.weight": pack_int4(codes), f"{prefix}.weights_scaling_factor": scale}
+        return {f"{prefix}.{WEIGHT}": pack_int4(codes), f"{prefix}.{WEIGHT_SCALE}": scale}

@@ -26,7 +26,7 @@ class W4A16Awq(GroupwiseInt4):
     details_key = "awq"
 
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
-        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.prequant_scaling_factor", ctx.dtype, shape[1])}
+        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.{PREQUANT}", ctx.dtype, shape[1])}
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
         """AWQ's searches for the layer's linears, by groups that read one input and share one scale vector."""
@@ -44,7 +44,7 @@ class W4A16Awq(GroupwiseInt4):
         assert isinstance(prepared, AwqChoice), f"{prefix}: AWQ quantizes with its search's choice"
         codes, scale = quantize_awq(weight, prepared, ctx.group_size)
         return {
-            f"{prefix}.weight": pack_int4(codes),
-            f"{prefix}.weights_scaling_factor": scale,
-            f"{prefix}.prequant_scaling_factor": (1 / prepared.scale).to(ctx.dtype),
+            f"{prefix}.{WEIGHT}": pack_int4(codes),
+            f"{prefix}.{WEIGHT_SCALE}": scale,
+            f"{prefix}.{PREQUANT}": (1 / prepared.scale).to(ctx.dtype),
         }

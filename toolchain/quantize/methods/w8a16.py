@@ -20,15 +20,15 @@ class PerChannelInt8(QuantMethod):
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         out_dim, in_dim = shape
         return {
-            **info(f"{prefix}.weight", torch.int8, out_dim, in_dim),
-            **info(f"{prefix}.weights_scaling_factor", torch.float32, out_dim),
+            **info(f"{prefix}.{WEIGHT}", torch.int8, out_dim, in_dim),
+            **info(f"{prefix}.{WEIGHT_SCALE}", torch.float32, out_dim),
         }
 
     def quantize(
         self, prefix: str, weight: torch.Tensor, ctx: Context, prepared: Any = None
     ) -> dict[str, torch.Tensor]:
         codes, scale = quantize_per_channel(weight)
-        return {f"{prefix}.weight": codes, f"{prefix}.weights_scaling_factor": scale}
+        return {f"{prefix}.{WEIGHT}": codes, f"{prefix}.{WEIGHT_SCALE}": scale}
 
     def dequantize(self, s: Stored) -> torch.Tensor:
         return s[WEIGHT].float() * s.weight_scale()[:, None]
