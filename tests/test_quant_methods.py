@@ -1,5 +1,6 @@
 """The quantization-method registry: every method's plan, quantize, dequantize and export agree with each other on
-tiny tensors, the CLI's and the recipe's choices are the registry's, and a quant_algo it does not hold is refused."""
+tiny tensors and touch only the tensor names the method declares, every method declares the group sizes it accepts,
+the CLI's and the recipe's choices are the registry's, and a quant_algo it does not hold is refused."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from toolchain.errors import UserError
 from toolchain.quantize.awq import AwqChoice
 from toolchain.quantize.calibrate import Calibration
 from toolchain.quantize.core import FP8_E4M3_MAX
-from toolchain.quantize.fake import load_quantized
+from toolchain.quantize.fake import FakeQuant, load_quantized
 from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES
-from toolchain.quantize.methods.base import Context
+from toolchain.quantize.methods.base import PREQUANT, WEIGHT_SCALE, Context, Stored
 from toolchain.quantize.methods.registry import METHODS, by_algo
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import QuantizeSection
@@ -60,8 +61,11 @@ def test_method_round_trips(name: str) -> None:
     plan = qm.plan(PREFIX, (OUT, IN), ctx)
     assert {n: (i.dtype, i.shape) for n, i in plan.items()} == {n: (t.dtype, tuple(t.shape)) for n, t in made.items()}
 
-    codes, scale = made[f"{PREFIX}.weight"], made[f"{PREFIX}.weights_scaling_factor"].float()
-    back = qm.dequantize(codes, scale, IN)
+    assert set(made) <= set(qm.tensor_names(PREFIX)) and f"{PREFIX}.{WEIGHT_SCALE}" in made
+
+    read = _Reads(made)
+    scale = made[f"{PREFIX}.weights_scaling_factor"].float()
+    back = qm.dequantize(Stored(PREFIX, read, IN, GROUP))
     target = w if prepared is None else (w.double() * prepared.scale).float()  # AWQ stores W·diag(s)
     assert back.shape == (OUT, IN) and torch.equal(back[1], torch.zeros(IN))
     error = (back - target).abs()
@@ -78,20 +82,76 @@ def test_method_round_trips(name: str) -> None:
 
     # the graph's DequantizeLinear pattern computes the same weight: x · backᵀ on ONNX Runtime
     b = _Builder(torch.float32)
-    dq = qm.export(b, PREFIX, codes, scale, IN, GROUP)
-    y = b.op("Gemm", ["x", dq], "y", transB=1)
+    dq = qm.export_weight(b, Stored(PREFIX, read, IN, GROUP))
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(1))
+    np.testing.assert_allclose(_run(b, "x", dq, x), (x @ back.T).numpy(), rtol=1e-5, atol=1e-5)
+    assert read.names <= set(qm.tensor_names(PREFIX))  # a method reads its own tensors only
+
+
+class _Reads(dict[str, torch.Tensor]):
+    """A checkpoint's tensors, remembering which ones were read."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__(tensors)
+        self.names: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        self.names.add(name)
+        return super().__getitem__(name)
+
+
+def _run(b: _Builder, x: str, weight: str, value: torch.Tensor) -> Any:
+    """x · weightᵀ of the graph `b` built, on ONNX Runtime, for x = `value`."""
+    y = b.op("Gemm", [x, weight], "y", transB=1)
     graph = helper.make_graph(
         b.nodes,
         "method",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, IN])],
-        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [3, OUT])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(value.shape))],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, [value.shape[0], OUT])],
         b.initializers,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
-    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(1))
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    (got,) = session.run(None, {"x": x.numpy()})
-    np.testing.assert_allclose(got, (x @ back.T).numpy(), rtol=1e-5, atol=1e-5)
+    return session.run(None, {"x": value.numpy()})[0]
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_engine_and_reference_read_the_input_alike(name: str) -> None:
+    """The whole exported linear (input side and weight) computes what the reference does with the method's
+    dequantized weight and input scales (FakeQuant), on the tensors a checkpoint stores."""
+    qm, ctx, w = METHODS[name], _ctx(), _weight()
+    stored = qm.quantize(PREFIX, w, ctx, _prepared(name, w))
+    if qm.pre_quant_scale:  # `prepare`'s (SmoothQuant) or quantize's (AWQ) 1/s
+        stored[f"{PREFIX}.{PREQUANT}"] = torch.linspace(0.5, 2.0, IN)
+    read = _Reads(stored)
+    linear = Stored(PREFIX, read, IN, GROUP)
+    b = _Builder(torch.float32)
+    x_out, weight = qm.export(b, linear, "x")
+    x = torch.randn(3, IN, generator=torch.Generator().manual_seed(1))
+    got = _run(b, x_out, weight, x)
+
+    scales = qm.input_scales(linear)
+    assert (scales.prequant is not None) == qm.pre_quant_scale
+    assert (scales.activation is not None) == (qm.activation_kind is not None)
+    activation = {PREFIX: scales.activation.item()} if scales.activation is not None else {}
+    prequant = {PREFIX: scales.prequant} if scales.prequant is not None else {}
+    hooks = FakeQuant(prequant, activation, qm.activation_kind, {}, None)
+    want = hooks.linear_input(PREFIX, x) @ qm.dequantize(linear).T
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)
+    assert read.names == set(stored) and set(stored) <= set(qm.tensor_names(PREFIX))
+
+
+@pytest.mark.parametrize("name", METHOD_NAMES)
+def test_group_sizes_are_the_methods(name: str) -> None:
+    """Each method declares the group sizes it accepts; QuantizeOptions refuses any other, naming them."""
+    sizes = METHODS[name].group_sizes
+    assert sizes and all(isinstance(g, int) and g > 0 for g in sizes)
+    for g in sizes:
+        assert QuantizeOptions(name, group_size=g).group_size == g
+    for g in (0, 48, max(sizes) * 2):
+        if g not in sizes:
+            with pytest.raises(UserError, match=rf"^group size {g} is not supported; choose one of \({sizes[0]}, "):
+                QuantizeOptions(name, group_size=g)
 
 
 def test_choices_are_the_registrys(cli: Any) -> None:

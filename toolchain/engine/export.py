@@ -24,7 +24,9 @@ from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cac
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
+from toolchain.quantize.methods.base import quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
+from toolchain.quantize.scheme import stored
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
@@ -124,9 +126,8 @@ class _Exporter:
         self.source = source
         self.tokens_per_block = tokens_per_block
         q = cfg.quantization
-        self.algo = q.quant_algo
-        self.group_size = q.group_size
         kv = kv_by_algo(q.kv_cache_quant_algo, f"{source}'s config.json")
+        self.method = by_algo(q.quant_algo)  # reads and exports its quantized linears' tensors
         self.kv_dtype = kv.name if kv else _DTYPE_NAMES[dtype]  # "int8" / "fp8": the KV cache quantization's name
         b = self.b
         self.eps = b.const("norm_epsilon", torch.tensor(cfg.norm_epsilon, dtype=torch.float32))
@@ -159,41 +160,24 @@ class _Exporter:
             self.b.const(name, torch.tensor(eps, dtype=torch.float32))
         return name
 
-    def _zero_point(self, kind: str) -> str:
-        name = f"zero_point_{kind.lower()}"
-        if not self.b.has(name):
-            self.b.const(name, torch.zeros((), dtype=torch.int8 if kind == "INT8" else torch.float8_e4m3fn))
-        return name
-
-    def _weight(self, prefix: str) -> str:
-        """The linear's weight [out, in] in the engine dtype; quantized weights through DequantizeLinear with
-        float32 scales (the quantize stage's own), cast to the engine dtype after."""
-        b, w = self.b, self.w
-        if f"{prefix}.weights_scaling_factor" not in w:
-            return b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
-        method = by_algo(self.algo)
-        if method is None:
-            raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
-        scale = w[f"{prefix}.weights_scaling_factor"].float()
-        dq = method.export(b, prefix, w[f"{prefix}.weight"], scale, self.spec.in_features(prefix), self.group_size)
+    def _quantized(self, x: str, prefix: str) -> tuple[str, str]:
+        """A quantized linear's GEMM inputs as its method exports them: the input after what the engine does to it
+        at run time, and the weight through DequantizeLinear with float32 scales (the quantize stage's own), cast
+        to the engine dtype after."""
+        b = self.b
+        method, linear = stored(self.method, self.cfg, self.spec, self.w, prefix)
+        x, dq = method.export(b, linear, x)
         if b.onnx_dtype == TensorProto.FLOAT:
-            return dq
-        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
+            return x, dq
+        return x, b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
 
     def linear(self, x: str, prefix: str, bias: bool = False) -> str:
         b, w = self.b, self.w
-        if f"{prefix}.prequant_scaling_factor" in w:
-            pre = b.float_const(f"{prefix}.prequant_scaling_factor", w[f"{prefix}.prequant_scaling_factor"])
-            x = b.op("Mul", [x, pre], f"{prefix}.input_prequant")
-        method = by_algo(self.algo)
-        kind = method.activation_kind if method else None
-        if f"{prefix}.activation_scaling_factor" in w and kind:
-            scale = b.float_const(
-                f"{prefix}.activation_scaling_factor", w[f"{prefix}.activation_scaling_factor"].reshape(())
-            )
-            q = b.op("QuantizeLinear", [x, scale, self._zero_point(kind)], f"{prefix}.input_q")
-            x = b.op("DequantizeLinear", [q, scale], f"{prefix}.input_dq")
-        inputs = [x, self._weight(prefix)]
+        if quantized(prefix, w):
+            x, weight = self._quantized(x, prefix)
+        else:
+            weight = b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])
+        inputs = [x, weight]
         if bias:
             inputs.append(b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"]))
         return b.op("Gemm", inputs, f"{prefix}.out", transB=1)

@@ -1,7 +1,8 @@
 """The reference forward of a quantized checkpoint: weights dequantized; each linear's input multiplied by its
 `prequant_scaling_factor` when it has one; and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8
 activations at each linear's input, the KV cache — quantized and dequantized in place (fake quantization), so the
-reference computes what the engine will compute, up to accumulation order."""
+reference computes what the engine will compute, up to accumulation order. Each quantized linear's method reads its
+own tensors (methods/base.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.errors import UserError
 from toolchain.quantize.core import fake_quant
+from toolchain.quantize.methods.base import WEIGHT, quantized_prefix
+from toolchain.quantize.methods.kv_cache import KV_SCALE
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
-from toolchain.quantize.scheme import dequantize
+from toolchain.quantize.scheme import stored
 from toolchain.reference.model import Hooks, ReferenceModel
 
 
@@ -56,21 +59,25 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     activation: dict[str, float] = {}
     kv_scales: dict[str, float] = {}
     prequant: dict[str, torch.Tensor] = {}
-    for name, tensor in raw.items():
-        if name.endswith(".weights_scaling_factor"):
-            prefix = name.removesuffix(".weights_scaling_factor")
+    owned: set[str] = set()  # the quantized linears' tensors, which their method has read
+    for name in raw:
+        prefix = quantized_prefix(name)
+        if prefix is not None:
             try:
-                weights[f"{prefix}.weight"] = dequantize(cfg, spec, raw, prefix)
+                qm, linear = stored(method, cfg, spec, raw, prefix)
+                weights[linear.name(WEIGHT)] = qm.dequantize(linear)
             except UserError as e:  # a scale on something that is not one of the model's linears
                 raise UserError(f"{directory / rank_file(0)}: {name}: {e}") from e
-        elif name.endswith(".activation_scaling_factor"):
-            activation[name.removesuffix(".activation_scaling_factor")] = tensor.item()
-        elif name.endswith(".attention.kv_cache_scaling_factor"):
-            kv_scales[name.removesuffix(".attention.kv_cache_scaling_factor")] = tensor.item()
-        elif name.endswith(".prequant_scaling_factor"):
-            prequant[name.removesuffix(".prequant_scaling_factor")] = tensor
-        elif name.removesuffix(".weight") + ".weights_scaling_factor" not in raw:
-            weights[name] = tensor
+            scales = qm.input_scales(linear)
+            if scales.prequant is not None:
+                prequant[prefix] = scales.prequant
+            if scales.activation is not None:
+                activation[prefix] = scales.activation.item()
+            owned.update(qm.tensor_names(prefix))
+        elif name.endswith(f".{KV_SCALE}"):
+            kv_scales[name.removesuffix(f".{KV_SCALE}")] = raw[name].item()
+            owned.add(name)
+    weights.update({name: tensor for name, tensor in raw.items() if name not in owned})
     model = ReferenceModel(cfg, weights, dtype)
     activation_kind = method.activation_kind if method else None
     model.hooks = FakeQuant(prequant, activation, activation_kind, kv_scales, kv.quant_algo if kv else None)

@@ -1,22 +1,22 @@
-"""Which modules a quantized checkpoint quantizes, and how their tensors are read back.
+"""Which modules a quantized checkpoint quantizes, and which method reads a quantized linear's tensors back.
 
 Layout (TensorRT-LLM's, read from its sources in docs/research/trtllm-quantized-layouts.md; how the engine graph
-reads it: docs/engine.md): each method's module under methods/ states its tensors (w8a16.py, w4a16.py,
+reads it: docs/engine.md): each method's module under methods/ states and reads its tensors (w8a16.py, w4a16.py,
 w4a16_awq.py, w8a8_sq.py, fp8.py, kv_cache.py). Every scale is a dequantization factor: value = code * scale.
 """
 
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 
 import torch
 
 from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
-from toolchain.quantize.methods.registry import by_algo
+from toolchain.quantize.methods.base import WEIGHT_SCALE, QuantMethod, Stored
 
-GROUP_SIZES = (32, 64, 128)
 DEFAULT_EXCLUDE = ("lm_head",)
 
 
@@ -30,11 +30,11 @@ def excluded(prefix: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(prefix, p) or fnmatch.fnmatchcase(prefix, f"*{p}") for p in patterns)
 
 
-def dequantize(cfg: ModelConfig, spec: ModelSpec, weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The float weight [out, in] a quantized PREFIX stores; a `prequant_scaling_factor`, when there is one, still
-    multiplies the input (the engine applies it to the input before any activation quantization)."""
-    method = by_algo(cfg.quantization.quant_algo)
+def stored(
+    method: QuantMethod | None, cfg: ModelConfig, spec: ModelSpec, tensors: Mapping[str, torch.Tensor], prefix: str
+) -> tuple[QuantMethod, Stored]:
+    """Quantized linear PREFIX of a checkpoint (config.json `cfg`, `method` its quant_algo's) and what its method
+    reads it back from; refused where quant_algo is null (no method owns its tensors)."""
     if method is None:
-        raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has weights_scaling_factor")
-    scale = weights[f"{prefix}.weights_scaling_factor"].float()
-    return method.dequantize(weights[f"{prefix}.weight"], scale, spec.in_features(prefix))
+        raise UserError(f"config.json: quantization.quant_algo is null, yet {prefix} has {WEIGHT_SCALE}")
+    return method, Stored(prefix, tensors, spec.in_features(prefix), cfg.quantization.group_size)

@@ -47,7 +47,7 @@ from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
 from toolchain.quantize.methods.registry import KV_CACHES, method
-from toolchain.quantize.scheme import DEFAULT_EXCLUDE, GROUP_SIZES, excluded, quantizable
+from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable
 from toolchain.quantize.smoothquant import Alpha
 from toolchain.reference.model import ReferenceModel
 
@@ -65,11 +65,11 @@ class QuantizeOptions:
     sq_alpha: Alpha = 0.5  # or "auto": searched per group of linears (smoothquant.py)
 
     def __post_init__(self) -> None:
-        method(self.method)  # a name the registry does not hold is one clear error
+        sizes = method(self.method).group_sizes  # a name the registry does not hold is one clear error
         if self.kv_cache not in KV_CACHES:
             raise UserError(f"kv cache {self.kv_cache!r} is not supported; choose one of {', '.join(KV_CACHES)}")
-        if self.group_size not in GROUP_SIZES:
-            raise UserError(f"group size {self.group_size} is not supported; choose one of {GROUP_SIZES}")
+        if self.group_size not in sizes:  # the method's to declare
+            raise UserError(f"group size {self.group_size} is not supported; choose one of {sizes}")
         if self.calib_samples < 1 or self.calib_seq_len < 2:
             raise UserError("calibration needs at least 1 sample of at least 2 tokens")
         if isinstance(self.sq_alpha, str) and self.sq_alpha != "auto":

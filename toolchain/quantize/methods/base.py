@@ -1,15 +1,19 @@
 """What every quantization method is: the `QuantMethod` interface the quantize stage's layer-by-layer driver, the
 fake-quant reference and the ONNX export call, and the data they hand it.
 
-A method turns one float linear PREFIX.weight [out, in] into the tensors TensorRT-LLM stores for its `quant_algo`
-(scheme.py lists the layouts), reads them back as a float weight (the reference), and says how the engine graph
-dequantizes them (a DequantizeLinear pattern). Work that needs a whole layer — SmoothQuant's smoothing, AWQ's
-searches, FP8's fc/gate shared scale — is its `prepare`, run once per layer before the layer's linears are
-quantized; a `streamable` method needs none of it, so the driver quantizes each linear as the writer reaches it.
+A method owns the tensors of the linears it quantizes: it names them (`tensor_names`), makes them of one float
+linear PREFIX.weight [out, in] (`plan`, `quantize`), reads them back as a float weight (`dequantize`, the
+reference) and adds their ONNX nodes (`export`, the engine graph) — no other module reads a quantized linear's
+tensors. TensorRT-LLM's names are the suffixes below; every quantized linear carries PREFIX.weights_scaling_factor,
+whatever its method, and that is how a checkpoint's quantized linears are found (`quantized`). Work that needs a
+whole layer — SmoothQuant's smoothing, AWQ's searches, FP8's fc/gate shared scale — is its `prepare`, run once per
+layer before the layer's linears are quantized; a `streamable` method needs none of it, so the driver quantizes
+each linear as the writer reaches it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -22,6 +26,24 @@ from toolchain.quantize.smoothquant import Alpha
 
 if TYPE_CHECKING:  # the quantize stage need not import onnx
     from onnx import TensorProto
+
+# TensorRT-LLM's tensor names of a quantized linear PREFIX: PREFIX.<suffix>
+WEIGHT = "weight"  # the codes
+WEIGHT_SCALE = "weights_scaling_factor"  # every quantized linear has one: it marks the linear as quantized
+ACTIVATION_SCALE = "activation_scaling_factor"  # a static per-tensor scale of the input
+PREQUANT = "prequant_scaling_factor"  # 1/s [in], multiplying the input before anything else (SmoothQuant, AWQ)
+
+GROUP_SIZES = (32, 64, 128)  # group sizes a method accepts unless it declares its own
+
+
+def quantized(prefix: str, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether linear PREFIX of a checkpoint is stored quantized (`in` is not a read of the tensor)."""
+    return f"{prefix}.{WEIGHT_SCALE}" in tensors
+
+
+def quantized_prefix(name: str) -> str | None:
+    """The linear whose quantization tensor `name` marks (PREFIX.weights_scaling_factor), else None."""
+    return name.removesuffix(f".{WEIGHT_SCALE}") if name.endswith(f".{WEIGHT_SCALE}") else None
 
 
 @dataclass(frozen=True)
@@ -46,14 +68,55 @@ class Layer:
     spec: LayerSpec | None = None  # a decoder layer's description
 
 
+@dataclass(frozen=True)
+class Stored:
+    """One quantized linear PREFIX of a checkpoint, as its method reads it back: the checkpoint's tensors (the method
+    reads its own names among them), the linear's input width and config.json's group size."""
+
+    prefix: str
+    tensors: Mapping[str, torch.Tensor]
+    in_features: int
+    group_size: int
+
+    def name(self, suffix: str) -> str:
+        return f"{self.prefix}.{suffix}"
+
+    def __getitem__(self, suffix: str) -> torch.Tensor:
+        return self.tensors[self.name(suffix)]
+
+    def get(self, suffix: str) -> torch.Tensor | None:
+        """PREFIX.<suffix> where the checkpoint has it (only then read), else None."""
+        return self[suffix] if self.name(suffix) in self.tensors else None
+
+    def weight_scale(self) -> torch.Tensor:
+        """The weight scales as float32, as the reference and the graph compute with them."""
+        return self[WEIGHT_SCALE].float()
+
+
+@dataclass(frozen=True)
+class InputScales:
+    """What the engine does to a quantized linear's input at run time, as stored: multiply by `prequant` (1/s, in
+    the checkpoint dtype), then quantize-dequantize at the static per-tensor `activation` scale [1] (the method's
+    activation_kind)."""
+
+    prequant: torch.Tensor | None = None
+    activation: torch.Tensor | None = None
+
+
 class GraphBuilder(Protocol):
     """The part of the ONNX exporter's builder (engine/export.py) a method's `export` uses."""
+
+    def has(self, name: str) -> bool: ...
 
     def add_initializer(self, proto: TensorProto) -> str:
         """Add a ready-made initializer (e.g. int4 codes, core.int4_proto); returns its name."""
         ...
 
     def const(self, name: str, t: torch.Tensor) -> str: ...
+
+    def float_const(self, name: str, t: torch.Tensor) -> str:
+        """A constant in the engine dtype."""
+        ...
 
     def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str: ...
 
@@ -62,11 +125,25 @@ def info(name: str, dtype: torch.dtype, *shape: int) -> dict[str, TensorInfo]:
     return {name: TensorInfo(name, dtype, tuple(shape))}
 
 
+def zero_point(b: GraphBuilder, kind: str) -> str:
+    """The graph's one zero point of activation kind "INT8" / "FP8" (symmetric: 0), added on first use."""
+    name = f"zero_point_{kind.lower()}"
+    if not b.has(name):
+        b.const(name, torch.zeros((), dtype=torch.int8 if kind == "INT8" else torch.float8_e4m3fn))
+    return name
+
+
 class QuantMethod:
     """One weight quantization method. Class attributes describe it; the registry (registry.py) holds one instance
-    of each, by CLI name (methods/__init__.py) and by config.json's `quant_algo`."""
+    of each, by CLI name (methods/__init__.py) and by config.json's `quant_algo`.
+
+    The input side (`input_scales`, `export_input`) is TensorRT-LLM's for every method here: the stored
+    prequant_scaling_factor where `pre_quant_scale`, a static activation_scaling_factor where `activation_kind`. A
+    method that quantizes its input otherwise (NVFP4's dynamic blocks) overrides them."""
 
     quant_algo: ClassVar[str]  # config.json's quantization.quant_algo (TensorRT-LLM's QuantAlgo)
+    suffixes: ClassVar[tuple[str, ...]]  # the tensors PREFIX.<suffix> of a linear it quantizes (some may be absent)
+    group_sizes: ClassVar[tuple[int, ...]] = GROUP_SIZES  # `--group-size` values it accepts
     needs_calibration: ClassVar[bool] = False
     streamable: ClassVar[bool] = True  # quantize needs the weight alone: no `prepare`, no calibration statistics
     activation_kind: ClassVar[str | None] = None  # "INT8" / "FP8": activations quantized per tensor at run time
@@ -77,6 +154,10 @@ class QuantMethod:
 
     def __init__(self, name: str) -> None:
         self.name = name  # `--method`, a recipe's `quantize.method` (methods/__init__.py)
+
+    def tensor_names(self, prefix: str) -> tuple[str, ...]:
+        """Every tensor a linear PREFIX quantized by this method may carry; the method reads no other."""
+        return tuple(f"{prefix}.{suffix}" for suffix in self.suffixes)
 
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         """The tensors `quantize` makes of PREFIX.weight of `shape`, without computing them."""
@@ -91,12 +172,33 @@ class QuantMethod:
     ) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
-        """The float weight [out, in_features] of stored codes and float32 weight scales."""
+    def dequantize(self, s: Stored) -> torch.Tensor:
+        """The float weight [out, in_features] of the stored linear."""
         raise NotImplementedError
 
-    def export(
-        self, b: GraphBuilder, prefix: str, codes: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int
-    ) -> str:
-        """Add the weight's DequantizeLinear pattern to the graph; returns its float32 output's name."""
+    def input_scales(self, s: Stored) -> InputScales:
+        """What the engine applies to the stored linear's input at run time (the reference fake-quantizes it)."""
+        return InputScales(
+            s.get(PREQUANT) if self.pre_quant_scale else None,
+            s.get(ACTIVATION_SCALE) if self.activation_kind else None,
+        )
+
+    def export(self, b: GraphBuilder, s: Stored, x: str) -> tuple[str, str]:
+        """Add the stored linear's nodes to the graph, for input `x`; returns what its GEMM reads: the input (in the
+        engine dtype) and the float32 weight [out, in_features]."""
+        return self.export_input(b, s, x), self.export_weight(b, s)
+
+    def export_input(self, b: GraphBuilder, s: Stored, x: str) -> str:
+        """`input_scales` in the graph: a Mul by the prequant scale, a QuantizeLinear / DequantizeLinear pair."""
+        scales, p = self.input_scales(s), s.prefix
+        if scales.prequant is not None:
+            x = b.op("Mul", [x, b.float_const(s.name(PREQUANT), scales.prequant)], f"{p}.input_prequant")
+        if scales.activation is not None and self.activation_kind:
+            scale = b.float_const(s.name(ACTIVATION_SCALE), scales.activation.reshape(()))
+            q = b.op("QuantizeLinear", [x, scale, zero_point(b, self.activation_kind)], f"{p}.input_q")
+            x = b.op("DequantizeLinear", [q, scale], f"{p}.input_dq")
+        return x
+
+    def export_weight(self, b: GraphBuilder, s: Stored) -> str:
+        """The weight's DequantizeLinear pattern; returns its float32 output's name."""
         raise NotImplementedError

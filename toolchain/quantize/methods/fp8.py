@@ -18,7 +18,17 @@ import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.quantize.core import FP8_E4M3_MAX, quantize_fp8
-from toolchain.quantize.methods.base import Context, GraphBuilder, Layer, QuantMethod, info
+from toolchain.quantize.methods.base import (
+    ACTIVATION_SCALE,
+    WEIGHT,
+    WEIGHT_SCALE,
+    Context,
+    GraphBuilder,
+    Layer,
+    QuantMethod,
+    Stored,
+    info,
+)
 from toolchain.quantize.methods.w8a8_sq import activation_scale
 
 
@@ -33,6 +43,7 @@ class Fused:
 
 class FP8(QuantMethod):
     quant_algo = "FP8"
+    suffixes = (WEIGHT, WEIGHT_SCALE, ACTIVATION_SCALE)
     needs_calibration = True
     streamable = False
     activation_kind = "FP8"
@@ -40,9 +51,9 @@ class FP8(QuantMethod):
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
         out_dim, in_dim = shape
         return {
-            **info(f"{prefix}.weight", torch.float8_e4m3fn, out_dim, in_dim),
-            **info(f"{prefix}.weights_scaling_factor", torch.float32, 1),
-            **info(f"{prefix}.activation_scaling_factor", torch.float32, 1),
+            **info(f"{prefix}.{WEIGHT}", torch.float8_e4m3fn, out_dim, in_dim),
+            **info(f"{prefix}.{WEIGHT_SCALE}", torch.float32, 1),
+            **info(f"{prefix}.{ACTIVATION_SCALE}", torch.float32, 1),
         }
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
@@ -63,16 +74,14 @@ class FP8(QuantMethod):
         linears = fused.linears if fused else (prefix,)  # fused: one activation scale too (the max)
         act = activation_scale(max(ctx.calib.input_amax[p] for p in linears), FP8_E4M3_MAX)
         return {
-            f"{prefix}.weight": codes,
-            f"{prefix}.weights_scaling_factor": scale,
-            f"{prefix}.activation_scaling_factor": act,
+            f"{prefix}.{WEIGHT}": codes,
+            f"{prefix}.{WEIGHT_SCALE}": scale,
+            f"{prefix}.{ACTIVATION_SCALE}": act,
         }
 
-    def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, in_features: int) -> torch.Tensor:
-        return codes.float() * scale
+    def dequantize(self, s: Stored) -> torch.Tensor:
+        return s[WEIGHT].float() * s.weight_scale()
 
-    def export(
-        self, b: GraphBuilder, prefix: str, codes: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int
-    ) -> str:
-        sname = b.const(f"{prefix}.weights_scaling_factor", scale.reshape(()))
-        return b.op("DequantizeLinear", [b.const(f"{prefix}.weight", codes), sname], f"{prefix}.weight_dq")
+    def export_weight(self, b: GraphBuilder, s: Stored) -> str:
+        scale = b.const(s.name(WEIGHT_SCALE), s.weight_scale().reshape(()))
+        return b.op("DequantizeLinear", [b.const(s.name(WEIGHT), s[WEIGHT]), scale], f"{s.prefix}.weight_dq")

@@ -14,6 +14,8 @@ import torch
 from toolchain.quantize.calibrate import Calibration, kv_cache_clip
 from toolchain.quantize.core import FP8_E4M3_MAX
 
+KV_SCALE = "attention.kv_cache_scaling_factor"  # LAYER.<this>: TensorRT-LLM's name
+
 
 @dataclass(frozen=True)
 class KvCacheQuant:
@@ -31,7 +33,7 @@ class KvCacheQuant:
             if self.clips:
                 clip[layer] = kv_cache_clip(calib, layer)
             scale = amax * clip.get(layer, 1.0) / self.maxbound
-            tensors[f"{layer}.attention.kv_cache_scaling_factor"] = torch.tensor([scale if scale > 0 else 1.0])
+            tensors[f"{layer}.{KV_SCALE}"] = torch.tensor([scale if scale > 0 else 1.0])
         return tensors, clip
 
 

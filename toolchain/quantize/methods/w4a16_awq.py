@@ -11,12 +11,13 @@ import torch
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.quantize.awq import AwqChoice, quantize_awq, search_group, shared_input_groups
 from toolchain.quantize.core import pack_int4
-from toolchain.quantize.methods.base import Context, Layer, info
+from toolchain.quantize.methods.base import PREQUANT, WEIGHT, WEIGHT_SCALE, Context, Layer, info
 from toolchain.quantize.methods.w4a16 import GroupwiseInt4, _check_even
 
 
 class W4A16Awq(GroupwiseInt4):
     quant_algo = "W4A16_AWQ"
+    suffixes = (WEIGHT, WEIGHT_SCALE, PREQUANT)
     needs_calibration = True
     streamable = False
     pre_quant_scale = True
@@ -25,7 +26,7 @@ class W4A16Awq(GroupwiseInt4):
     details_key = "awq"
 
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
-        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.prequant_scaling_factor", ctx.dtype, shape[1])}
+        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.{PREQUANT}", ctx.dtype, shape[1])}
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
         """AWQ's searches for the layer's linears, by groups that read one input and share one scale vector."""
@@ -43,7 +44,7 @@ class W4A16Awq(GroupwiseInt4):
         assert isinstance(prepared, AwqChoice), f"{prefix}: AWQ quantizes with its search's choice"
         codes, scale = quantize_awq(weight, prepared, ctx.group_size)
         return {
-            f"{prefix}.weight": pack_int4(codes),
-            f"{prefix}.weights_scaling_factor": scale,
-            f"{prefix}.prequant_scaling_factor": (1 / prepared.scale).to(ctx.dtype),
+            f"{prefix}.{WEIGHT}": pack_int4(codes),
+            f"{prefix}.{WEIGHT_SCALE}": scale,
+            f"{prefix}.{PREQUANT}": (1 / prepared.scale).to(ctx.dtype),
         }

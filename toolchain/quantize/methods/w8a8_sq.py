@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
-from toolchain.quantize.methods.base import Context, Layer, info
+from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, WEIGHT, WEIGHT_SCALE, Context, Layer, info
 from toolchain.quantize.methods.w8a16 import PerChannelInt8
 from toolchain.quantize.smoothquant import smooth_layer
 
@@ -24,6 +24,7 @@ def activation_scale(amax: float, maxbound: float) -> torch.Tensor:
 
 class W8A8SQ(PerChannelInt8):
     quant_algo = "W8A8_SQ_PER_CHANNEL"
+    suffixes = (WEIGHT, WEIGHT_SCALE, ACTIVATION_SCALE, PREQUANT)
     needs_calibration = True
     streamable = False
     activation_kind = "INT8"
@@ -32,7 +33,7 @@ class W8A8SQ(PerChannelInt8):
     details_key = "smoothquant"  # per linear (--sq-alpha auto): the searched α, its error relative to α = 0.5's
 
     def plan(self, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
-        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.activation_scaling_factor", torch.float32, 1)}
+        return {**super().plan(prefix, shape, ctx), **info(f"{prefix}.{ACTIVATION_SCALE}", torch.float32, 1)}
 
     def prepare(self, layer: Layer, ctx: Context) -> dict[str, Any]:
         """Smooth a decoder layer in place (its linears' weights, its norms, the calibration maxima they see);
@@ -40,7 +41,7 @@ class W8A8SQ(PerChannelInt8):
         if layer.spec is None:
             return {}
         prequant, searched = smooth_layer(layer.tensors, layer.spec, ctx.calib, ctx.sq_alpha, layer.chosen)
-        layer.tensors.update({f"{p}.prequant_scaling_factor": s.to(ctx.dtype) for p, s in prequant.items()})
+        layer.tensors.update({f"{p}.{PREQUANT}": s.to(ctx.dtype) for p, s in prequant.items()})
         return searched
 
     def quantize(
@@ -48,4 +49,4 @@ class W8A8SQ(PerChannelInt8):
     ) -> dict[str, torch.Tensor]:
         # `weight` is already smoothed, and the calibration maxima updated to match
         act = activation_scale(ctx.calib.input_amax[prefix], 127)
-        return {**super().quantize(prefix, weight, ctx), f"{prefix}.activation_scaling_factor": act}
+        return {**super().quantize(prefix, weight, ctx), f"{prefix}.{ACTIVATION_SCALE}": act}
