@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from toolchain.checkpoint.spec import FFN, DenseFFN, ExpertsFFN, experts_unsupported
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -43,12 +44,27 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
 )
 
 
-def split_of(name: str, gate_up_fused: bool = False) -> Split:
+def split_of(name: str, ffn: FFN | None = None) -> Split:
     """'replicate' for norms, row-parallel biases and qk-norms. GPT's learned position embedding is split like
-    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`). `gate_up_fused`: the model's mlp.fc
-    stacks the up and gate projections (LayerSpec.gate_up_fused)."""
+    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`). `ffn`: the feed-forward block of the
+    layer holding `name` (None: a plain or gated one, split as its name says)."""
     split: Split = next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
-    return "gate_up" if gate_up_fused and split == "column" and ".mlp.fc." in name else split
+    return split if ffn is None or ".mlp." not in name else ffn_split(ffn, name, split)
+
+
+def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
+    """How tensor `name` of a feed-forward block splits, `split` being what its name says: the one place sharding
+    dispatches on the FFN. A fused gate/up mlp.fc splits each half on its own ("gate_up")."""
+    match ffn:
+        case DenseFFN(gate_up_fused=True) if split == "column" and ".mlp.fc." in name:
+            return "gate_up"
+        case DenseFFN():
+            return split
+        case ExpertsFFN():
+            raise experts_unsupported(f"tensor parallelism of {name}", ffn)
+
+
+_FUSED_GATE_UP = DenseFFN(gate_up_fused=True)  # what a rule's swapped halves are: Phi-3's [up; gate] mlp.fc
 
 
 @dataclass(frozen=True)
@@ -64,7 +80,7 @@ class Rule:
 
     @property
     def split(self) -> Split:
-        return split_of(self.dst, gate_up_fused=self.halves_swapped)
+        return split_of(self.dst, _FUSED_GATE_UP if self.halves_swapped else None)
 
 
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
