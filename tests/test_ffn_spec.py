@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from toolchain.checkpoint.sharding import split_of
+from toolchain.checkpoint.sharding import Rule, split_of
 from toolchain.checkpoint.spec import (
     DenseFFN,
     ExpertsFFN,
@@ -158,3 +158,12 @@ def test_sharding_asks_the_ffn_only_for_its_own_tensors() -> None:
     assert split_of("transformer.layers.0.mlp.fc.weight") == "column"
     assert split_of("transformer.layers.0.mlp.proj.weight", fused) == "row"
     assert split_of("transformer.layers.0.attention.qkv.weight", EXPERTS) == "qkv"  # not the FFN's: no refusal
+
+
+def test_a_conversion_rule_splits_as_its_ffn_says() -> None:
+    """A family's weight table names the FFN a tensor belongs to (Phi-3's fused fc); convert's split asks it."""
+    fc = "transformer.layers.0.mlp.fc.weight"
+    assert Rule(fc, ("src",), halves_swapped=True, ffn=DenseFFN(gate_up_fused=True)).split == "gate_up"
+    assert Rule(fc, ("src",)).split == "column"
+    with pytest.raises(UserError, match=MOE_RE):
+        _ = Rule(fc, ("src",), ffn=EXPERTS).split

@@ -82,6 +82,11 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     )
 
 
+def _ffn(cfg: ModelConfig) -> DenseFFN:
+    """Llama's gated MLP with gate and up fused in mlp.fc: what the spec describes and the fused rule splits by."""
+    return DenseFFN(gate_up_fused=True, activation=cfg.hidden_act, bias=cfg.mlp_bias)
+
+
 def spec(cfg: ModelConfig) -> ModelSpec:
     """Llama's layer, its MLP's gate and up fused in mlp.fc. A checkpoint an older trtbuild wrote (Llama's split
     mlp.fc / mlp.gate, hidden_act silu) is refused: read as fused it would be a different model."""
@@ -91,16 +96,18 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             "before it followed TensorRT-LLM's Phi-3 (fused mlp.fc, hidden_act swiglu); re-run `trtbuild convert`"
         )
     base = llama_spec(cfg)
-    ffn = DenseFFN(gate_up_fused=True, activation=cfg.hidden_act, bias=cfg.mlp_bias)
-    layers = tuple(dataclasses.replace(ls, ffn=ffn) for ls in base.layers)
+    layers = tuple(dataclasses.replace(ls, ffn=_ffn(cfg)) for ls in base.layers)
     return dataclasses.replace(base, layers=layers)
 
 
 def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
     table = build_table(cfg, available, list(LAYER_TABLE))
-    dst, src = FUSED_MLP
+    dst, src, ffn = *FUSED_MLP, _ffn(cfg)
     for layer in range(cfg.num_hidden_layers):
-        table.append(Rule(f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), halves_swapped=True))
+        fused = Rule(
+            f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), halves_swapped=True, ffn=ffn
+        )
+        table.append(fused)
     return table
 
 

@@ -64,9 +64,6 @@ def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
             raise experts_unsupported(f"tensor parallelism of {name}", ffn)
 
 
-_FUSED_GATE_UP = DenseFFN(gate_up_fused=True)  # what a rule's swapped halves are: Phi-3's [up; gate] mlp.fc
-
-
 @dataclass(frozen=True)
 class Rule:
     """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are stored
@@ -77,10 +74,11 @@ class Rule:
     transpose: bool = False
     offset: float = 0.0  # added in float32 before the cast (Gemma's norms: TensorRT-LLM stores 1 + w)
     halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
+    ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
 
     @property
     def split(self) -> Split:
-        return split_of(self.dst, _FUSED_GATE_UP if self.halves_swapped else None)
+        return split_of(self.dst, self.ffn)
 
 
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
