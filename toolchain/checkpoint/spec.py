@@ -8,6 +8,10 @@ carries its description with it.
 
 Names are TensorRT-LLM's tensor names (`transformer.layers.{i}.attention.qkv`, ...); the norm names of a layer
 are stems under its prefix (`input_layernorm`, ...).
+
+A layer's feed-forward block is a variant, `DenseFFN` or `ExpertsFFN`, and each consumer dispatches on it in one
+function: `LayerSpec.mlp_inputs` (its linears), `ReferenceModel.mlp`, the exporter's `ffn`, `sharding.ffn_split` and
+`calibrate.check_ffns`. Mixture-of-experts layers are described but refused there by `experts_unsupported` (issue 26).
 """
 
 from __future__ import annotations
