@@ -14,7 +14,7 @@ from conftest import SHARED
 from safetensors.torch import load_file
 
 from toolchain.checkpoint.convert import convert
-from toolchain.checkpoint.spec import LayerSpec, Norm
+from toolchain.checkpoint.spec import DenseFFN, LayerSpec, Norm
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
 from toolchain.quantize.awq import (
@@ -116,7 +116,7 @@ def test_groups_of_linears_reading_one_input_come_from_the_spec() -> None:
     qkv, dense, fc, gate, proj = gated.linears()
     assert shared_input_groups(gated, [qkv, dense, fc, gate, proj]) == [[qkv], [fc, gate], [dense], [proj]]
     assert shared_input_groups(gated, [dense, fc, proj]) == [[fc], [dense], [proj]]
-    plain = dataclasses.replace(gated, gated_mlp=False)
+    plain = dataclasses.replace(gated, ffn=DenseFFN(gated=False))
     assert shared_input_groups(plain, plain.linears()) == [[qkv], [fc], [dense], [proj]]
     assert shared_input_groups(None, ["lm_head"]) == [["lm_head"]]
 

@@ -40,7 +40,7 @@ from toolchain.checkpoint.llama import (
 )
 from toolchain.checkpoint.llama import source_shapes as llama_shapes
 from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import LayerSpec, ModelSpec, Norm, Rope
+from toolchain.checkpoint.spec import DenseFFN, LayerSpec, ModelSpec, Norm, Rope, in_layer
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -192,7 +192,7 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             rope=local if types[i] == "sliding_attention" else full,
             window=windows[i],
             attn_scale=scale**-0.5,
-            activation=cfg.hidden_act,
+            ffn=in_layer(i, DenseFFN, activation=cfg.hidden_act),
         )
 
     return ModelSpec.of(

@@ -17,7 +17,7 @@ from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
 from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import LayerSpec, ModelSpec, Norm
+from toolchain.checkpoint.spec import DenseFFN, LayerSpec, ModelSpec, Norm, in_layer
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -86,9 +86,7 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             mlp_norm=Norm(f"transformer.layers.{i}.post_layernorm", "layer", eps),
             qkv_bias=True,
             dense_bias=True,
-            gated_mlp=False,
-            activation=cfg.hidden_act,
-            mlp_bias=True,
+            ffn=in_layer(i, DenseFFN, gated=False, activation=cfg.hidden_act, bias=True),
         )
         for i in range(cfg.num_hidden_layers)
     )

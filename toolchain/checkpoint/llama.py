@@ -17,7 +17,7 @@ from typing import Any
 
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
 from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import LayerSpec, ModelSpec, Norm, Rope
+from toolchain.checkpoint.spec import DenseFFN, LayerSpec, ModelSpec, Norm, Rope, in_layer
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -189,8 +189,7 @@ def llama_style_spec(cfg: ModelConfig, dense_bias: bool | None = None) -> ModelS
             window=windows[i],
             qkv_bias=cfg.attn_bias,
             dense_bias=cfg.attn_bias if dense_bias is None else dense_bias,
-            activation=cfg.hidden_act,
-            mlp_bias=cfg.mlp_bias,
+            ffn=in_layer(i, DenseFFN, activation=cfg.hidden_act, bias=cfg.mlp_bias),
         )
 
     return ModelSpec.of(cfg, Norm("transformer.ln_f", eps=eps), tuple(layer(i) for i in range(cfg.num_hidden_layers)))

@@ -11,7 +11,7 @@ The MLP as TensorRT-LLM's Phi-3 writes it (convert.py `load_weights_from_hf_mode
 plain `MLP` with `hidden_act` "swiglu", config.py `from_hugging_face`): `gate_up_proj` stays fused in `mlp.fc`
 with its halves swapped to [up; gate], because TensorRT-LLM's `swiglu` activates the second half
 (`x, gate = chunk(input, 2)`; `silu(gate) * x`, tensorrt_llm/functional.py); there is no `mlp.gate`. The spec marks
-it (`LayerSpec.gate_up_fused`), and tensor parallelism splits each half on its own ("gate_up", sharding.py).
+it (`DenseFFN.gate_up_fused`), and tensor parallelism splits each half on its own ("gate_up", sharding.py).
 `sliding_window` is recorded as for Mistral: HF Phi-3 masks with it (each query sees itself and the
 window - 1 tokens before it). Refused with one line: long-context rope ("longrope", "su", "yarn") and
 `partial_rotary_factor` != 1 (Phi-4-mini), which neither the reference nor our attention plugin implement.
@@ -27,7 +27,7 @@ from toolchain.checkpoint.llama import DROPPED, LayerRow, build_table, llama_sty
 from toolchain.checkpoint.llama import source_shapes as llama_shapes
 from toolchain.checkpoint.llama import spec as llama_spec
 from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import ModelSpec
+from toolchain.checkpoint.spec import DenseFFN, ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -82,6 +82,11 @@ def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     )
 
 
+def _ffn(cfg: ModelConfig) -> DenseFFN:
+    """Llama's gated MLP with gate and up fused in mlp.fc: what the spec describes and the fused rule splits by."""
+    return DenseFFN(gate_up_fused=True, activation=cfg.hidden_act, bias=cfg.mlp_bias)
+
+
 def spec(cfg: ModelConfig) -> ModelSpec:
     """Llama's layer, its MLP's gate and up fused in mlp.fc. A checkpoint an older trtbuild wrote (Llama's split
     mlp.fc / mlp.gate, hidden_act silu) is refused: read as fused it would be a different model."""
@@ -91,15 +96,18 @@ def spec(cfg: ModelConfig) -> ModelSpec:
             "before it followed TensorRT-LLM's Phi-3 (fused mlp.fc, hidden_act swiglu); re-run `trtbuild convert`"
         )
     base = llama_spec(cfg)
-    layers = tuple(dataclasses.replace(ls, gate_up_fused=True) for ls in base.layers)
+    layers = tuple(dataclasses.replace(ls, ffn=_ffn(cfg)) for ls in base.layers)
     return dataclasses.replace(base, layers=layers)
 
 
 def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
     table = build_table(cfg, available, list(LAYER_TABLE))
-    dst, src = FUSED_MLP
+    dst, src, ffn = *FUSED_MLP, _ffn(cfg)
     for layer in range(cfg.num_hidden_layers):
-        table.append(Rule(f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), halves_swapped=True))
+        fused = Rule(
+            f"transformer.layers.{layer}.{dst}", (f"model.layers.{layer}.{src}",), halves_swapped=True, ffn=ffn
+        )
+        table.append(fused)
     return table
 
 

@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from toolchain.checkpoint.spec import FFN, DenseFFN, ExpertsFFN, experts_unsupported
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -43,12 +44,24 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
 )
 
 
-def split_of(name: str, gate_up_fused: bool = False) -> Split:
+def split_of(name: str, ffn: FFN | None = None) -> Split:
     """'replicate' for norms, row-parallel biases and qk-norms. GPT's learned position embedding is split like
-    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`). `gate_up_fused`: the model's mlp.fc
-    stacks the up and gate projections (LayerSpec.gate_up_fused)."""
+    the vocabulary (tensorrt_llm/models/gpt/convert.py `split_embedding`). `ffn`: the feed-forward block of the
+    layer holding `name` (None: a plain or gated one, split as its name says)."""
     split: Split = next((split for pattern, split in _SPLITS if pattern.fullmatch(name)), "replicate")
-    return "gate_up" if gate_up_fused and split == "column" and ".mlp.fc." in name else split
+    return split if ffn is None or ".mlp." not in name else ffn_split(ffn, name, split)
+
+
+def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
+    """How tensor `name` of a feed-forward block splits, `split` being what its name says: the one place sharding
+    dispatches on the FFN. A fused gate/up mlp.fc splits each half on its own ("gate_up")."""
+    match ffn:
+        case DenseFFN(gate_up_fused=True) if split == "column" and ".mlp.fc." in name:
+            return "gate_up"
+        case DenseFFN():
+            return split
+        case ExpertsFFN():
+            raise experts_unsupported(f"tensor parallelism of {name}", ffn)
 
 
 @dataclass(frozen=True)
@@ -61,10 +74,11 @@ class Rule:
     transpose: bool = False
     offset: float = 0.0  # added in float32 before the cast (Gemma's norms: TensorRT-LLM stores 1 + w)
     halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
+    ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
 
     @property
     def split(self) -> Split:
-        return split_of(self.dst, gate_up_fused=self.halves_swapped)
+        return split_of(self.dst, self.ffn)
 
 
 def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:

@@ -8,14 +8,18 @@ carries its description with it.
 
 Names are TensorRT-LLM's tensor names (`transformer.layers.{i}.attention.qkv`, ...); the norm names of a layer
 are stems under its prefix (`input_layernorm`, ...).
+
+A layer's feed-forward block is a variant, `DenseFFN` or `ExpertsFFN`, and each consumer dispatches on it in one
+function: `LayerSpec.mlp_inputs` (its linears), `ReferenceModel.mlp`, the exporter's `ffn`, `sharding.ffn_split` and
+`calibrate.check_ffns`. Mixture-of-experts layers are described but refused there by `experts_unsupported` (issue 26).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
@@ -25,6 +29,11 @@ NORMS = ("rms", "layer")
 # the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
 ACTIVATIONS = ("silu", "swiglu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_SCALINGS = ("linear", "llama3")
+# How a router turns its logits into the top-k experts' weights: softmax over all experts then the top k (Qwen2-MoE),
+# the top k logits then a softmax over them (Mixtral), or softmax, top k, and the k weights renormalised to sum to 1
+# (Qwen3-MoE's norm_topk_prob).
+ROUTER_NORMS = ("softmax_topk", "topk_softmax", "softmax_topk_renormalise")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -64,14 +73,102 @@ class Rope:
             raise UserError(f"'rotary_scaling' type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
 
 
+def in_layer(index: int, make: Callable[..., _T], **fields: Any) -> _T:
+    """`make(**fields)` for layer `index`: a part of a layer (its FFN) validates itself without knowing its layer,
+    and its error names the layer here."""
+    try:
+        return make(**fields)
+    except UserError as e:
+        raise UserError(f"layer {index}: {e}") from e
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise UserError(f"hidden_act {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+
+
+def _check_positive(what: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{what} {value!r} must be a positive integer")
+
+
+@dataclass(frozen=True)
+class DenseFFN:
+    """One MLP every token goes through: proj(act(fc(x))) (`gated` False); TensorRT-LLM's GatedMLP
+    proj(act(fc(x)) * gate(x)) (`gated`); or, `gate_up_fused`, fc holding [up; gate] stacked and no mlp.gate:
+    proj(up * act(gate)), TensorRT-LLM's Phi-3 `MLP` with its `swiglu` (the second half activated). `bias`: fc,
+    gate and proj add one. Its width is the model's intermediate_size."""
+
+    gated: bool = True
+    gate_up_fused: bool = False
+    activation: str = "silu"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _check_activation(self.activation)
+        if self.gate_up_fused and not self.gated:
+            raise UserError("a fused gate/up projection needs a gated MLP")
+
+
+@dataclass(frozen=True)
+class SharedExperts:
+    """Experts every token goes through beside the routed ones (DeepSeek, Qwen2-MoE): `count` of them, each
+    `intermediate_size` wide, gated or not."""
+
+    count: int
+    intermediate_size: int
+    gated: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("shared expert count", self.count)
+        _check_positive("shared expert intermediate size", self.intermediate_size)
+
+
+@dataclass(frozen=True)
+class ExpertsFFN:
+    """A mixture of experts: a router picks `top_k` of `num_experts` MLPs per token (each `expert_intermediate_size`
+    wide, gated like DenseFFN or not) and weighs their outputs as `router_norm` says (ROUTER_NORMS); `shared`
+    experts, if any, run on every token. Described only: no stage runs it yet (issue 26)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    router_norm: str = "softmax_topk"
+    gated: bool = True
+    activation: str = "silu"
+    bias: bool = False
+    shared: SharedExperts | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("num_experts", self.num_experts)
+        _check_positive("expert intermediate size", self.expert_intermediate_size)
+        _check_positive("top_k", self.top_k)
+        if self.top_k > self.num_experts:
+            raise UserError(f"top_k {self.top_k} exceeds num_experts {self.num_experts}; use at most that")
+        if self.router_norm not in ROUTER_NORMS:
+            raise UserError(f"router normalisation {self.router_norm!r} is not one of {', '.join(ROUTER_NORMS)}")
+        _check_activation(self.activation)
+
+
+FFN = DenseFFN | ExpertsFFN  # a layer's feed-forward block
+
+
+def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
+    """The error every consumer raises where it meets an ExpertsFFN: MoE is described, not yet run."""
+    return UserError(
+        f"{where}: mixture-of-experts layers are not supported yet (issue 26): {ffn.num_experts} experts, top "
+        f"{ffn.top_k}; use a dense model"
+    )
+
+
 @dataclass(frozen=True)
 class LayerSpec:
     """One decoder layer.
 
     attention block: x -> attn_norm -> qkv (+ bias) -> [qk-norm per head] -> rotary -> attention (window, scale)
                      -> dense (+ bias) -> [attn_out_norm] -> + residual
-    feed-forward:    x -> mlp_norm -> fc (+ bias) -> activation [* gate(x)] -> proj (+ bias) -> [mlp_out_norm]
-                     -> + residual
+    feed-forward:    x -> mlp_norm -> ffn (DenseFFN: fc -> activation [* gate(x)] -> proj; ExpertsFFN)
+                     -> [mlp_out_norm] -> + residual
     """
 
     index: int
@@ -86,23 +183,13 @@ class LayerSpec:
     attn_scale: float | None = None  # scores = q·k * attn_scale; None: head_size ** -0.5
     qkv_bias: bool = False
     dense_bias: bool = False
-    gated_mlp: bool = True  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x)); else proj(act(fc(x)))
-    # gated, with fc holding [up; gate] stacked and no mlp.gate: proj(up * act(gate)), TensorRT-LLM's Phi-3 `MLP`
-    # with its `swiglu` (the second half activated)
-    gate_up_fused: bool = False
-    activation: str = "silu"
-    mlp_bias: bool = False
+    ffn: FFN = DenseFFN()
 
     def __post_init__(self) -> None:
         if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
             raise UserError(f"layer {self.index}: attention window {self.window!r} must be a positive integer")
-        if self.activation not in ACTIVATIONS:
-            raise UserError(
-                f"layer {self.index}: hidden_act {self.activation!r} is not supported; supported: "
-                f"{', '.join(ACTIVATIONS)}"
-            )
-        if self.gate_up_fused and not self.gated_mlp:
-            raise UserError(f"layer {self.index}: a fused gate/up projection needs a gated MLP")
+        if not isinstance(self.ffn, DenseFFN | ExpertsFFN):
+            raise UserError(f"layer {self.index}: ffn {self.ffn!r} is not a DenseFFN or an ExpertsFFN")
         if (self.q_norm is None) != (self.k_norm is None):
             raise UserError(f"layer {self.index}: q and k norms come as a pair")
         if self.attn_scale is not None and (not math.isfinite(self.attn_scale) or self.attn_scale <= 0):
@@ -119,9 +206,13 @@ class LayerSpec:
         return [f"{p}.attention.qkv", f"{p}.attention.dense", *mlp, f"{p}.mlp.proj"]
 
     def mlp_inputs(self) -> list[str]:
-        """The MLP's linears that read its input: fc and gate, or fc alone (plain, or gate and up fused in fc)."""
-        p = self.prefix
-        return [f"{p}.mlp.fc", f"{p}.mlp.gate"] if self.gated_mlp and not self.gate_up_fused else [f"{p}.mlp.fc"]
+        """The MLP's linears that read its input: fc and gate, or fc alone (plain, or gate and up fused in fc). The
+        one place the description names a feed-forward block's linears (what calibration observes, quantization
+        quantizes and the checkpoint must hold)."""
+        p, ffn = self.prefix, self.ffn
+        if isinstance(ffn, ExpertsFFN):
+            raise experts_unsupported(f"layer {self.index}", ffn)
+        return [f"{p}.mlp.fc", f"{p}.mlp.gate"] if ffn.gated and not ffn.gate_up_fused else [f"{p}.mlp.fc"]
 
     def smoothing_groups(self) -> list[tuple[Norm | None, list[str]]]:
         """SmoothQuant's pairs: the norm feeding a group of linears that read one input (its 1/s folds into the
@@ -146,7 +237,7 @@ class LayerSpec:
             return self.qkv_bias
         if linear.endswith(".attention.dense"):
             return self.dense_bias
-        return self.mlp_bias
+        return self.ffn.bias
 
     def norms(self) -> list[Norm]:
         return [n for n in (self.attn_norm, self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_norm,

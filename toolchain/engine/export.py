@@ -19,7 +19,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from toolchain.checkpoint.spec import LayerSpec, Norm, spec_of
+from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, experts_unsupported, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.ops import AttentionAttrs
@@ -272,22 +272,33 @@ class _Exporter:
         if ls.attn_out_norm is not None:
             a = self.norm(a, ls.attn_out_norm, f"{ls.attn_out_norm.name}.out")
         h = b.op("Add", [h, a], f"{layer}.attn_residual")
-        x = self.norm(h, ls.mlp_norm, f"{ls.mlp_norm.name}.out")
-        fc = self.linear(x, f"{layer}.mlp.fc", ls.mlp_bias)
-        if ls.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate)
+        m = self.ffn(self.norm(h, ls.mlp_norm, f"{ls.mlp_norm.name}.out"), ls)
+        if ls.mlp_out_norm is not None:
+            m = self.norm(m, ls.mlp_out_norm, f"{ls.mlp_out_norm.name}.out")
+        return b.op("Add", [h, m], f"{layer}.mlp_residual")
+
+    def ffn(self, x: str, ls: LayerSpec) -> str:
+        """The feed-forward block's output before its residual: the one place the export dispatches on the FFN."""
+        match ls.ffn:
+            case DenseFFN() as ffn:
+                return self.dense_ffn(x, ls.prefix, ffn)
+            case ExpertsFFN() as ffn:
+                raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)
+
+    def dense_ffn(self, x: str, layer: str, ffn: DenseFFN) -> str:
+        b = self.b
+        fc = self.linear(x, f"{layer}.mlp.fc", ffn.bias)
+        if ffn.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate)
             up, gate = f"{layer}.mlp.up", f"{layer}.mlp.gate_half"
             b.nodes.append(
                 helper.make_node("Split", [fc], [up, gate], name=f"{layer}.mlp.split", axis=-1, num_outputs=2)
             )
-            m = b.op("Mul", [up, self.activation(gate, ls.activation, f"{layer}.mlp.act")], f"{layer}.mlp.gated")
+            m = b.op("Mul", [up, self.activation(gate, ffn.activation, f"{layer}.mlp.act")], f"{layer}.mlp.gated")
         else:
-            m = self.activation(fc, ls.activation, f"{layer}.mlp.act")
-            if ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-                m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ls.mlp_bias)], f"{layer}.mlp.gated")
-        m = self.linear(m, f"{layer}.mlp.proj", ls.mlp_bias)
-        if ls.mlp_out_norm is not None:
-            m = self.norm(m, ls.mlp_out_norm, f"{ls.mlp_out_norm.name}.out")
-        return b.op("Add", [h, m], f"{layer}.mlp_residual")
+            m = self.activation(fc, ffn.activation, f"{layer}.mlp.act")
+            if ffn.gated:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+                m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ffn.bias)], f"{layer}.mlp.gated")
+        return self.linear(m, f"{layer}.mlp.proj", ffn.bias)
 
     def graph(self) -> onnx.ModelProto:
         c, spec, b = self.cfg, self.spec, self.b

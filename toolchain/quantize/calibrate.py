@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from toolchain.checkpoint.spec import ExpertsFFN, ModelSpec, experts_unsupported
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 from toolchain.quantize.core import fake_quant
@@ -116,6 +117,15 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
     return windows[order.sort().values]
 
 
+def check_ffns(spec: ModelSpec) -> None:
+    """The one place calibration looks at the feed-forward variant. A DenseFFN's linears each read every token, as
+    `Calibration.for_tokens` assumes when it spreads their row samples; an expert reads only the tokens routed to it
+    and would need its own count (and the router's logits their own statistics)."""
+    for ls in spec.layers:
+        if isinstance(ls.ffn, ExpertsFFN):
+            raise experts_unsupported(f"calibration, layer {ls.index}", ls.ffn)
+
+
 class LayerwiseCalibration:
     """The calibration windows' hidden states carried through the model one decoder layer at a time (in
     `CALIB_DTYPE`), every linear's input and every KV cache observed on the way into `calibration`: the quantize
@@ -124,6 +134,7 @@ class LayerwiseCalibration:
 
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], windows: torch.Tensor) -> None:
         self.model = model = ReferenceModel(config, weights, CALIB_DTYPE, widen_lazily=True)
+        check_ffns(model.spec)
         self.calibration = Calibration.for_tokens(windows.numel())
         self.observer = Observer(self.calibration)
         model.hooks = self.observer

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from toolchain.checkpoint.spec import LayerSpec, Norm, spec_of
+from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, experts_unsupported, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.rope import apply_rotary, cos_sin
 
@@ -155,16 +155,23 @@ class ReferenceModel:
         return self._linear(out, f"{layer}.attention.dense", ls.dense_bias and self.row_biases)
 
     def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
-        layer = ls.prefix
-        act, h = ACTIVATIONS[ls.activation], self._linear(x, f"{layer}.mlp.fc", ls.mlp_bias)
-        if ls.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate), swiglu's second half activated
+        """The feed-forward block's output before its residual: the one place the forward dispatches on the FFN."""
+        match ls.ffn:
+            case DenseFFN() as ffn:
+                return self.dense_ffn(x, ls.prefix, ffn)
+            case ExpertsFFN() as ffn:
+                raise experts_unsupported(f"reference forward, layer {ls.index}", ffn)
+
+    def dense_ffn(self, x: torch.Tensor, layer: str, ffn: DenseFFN) -> torch.Tensor:
+        act, h = ACTIVATIONS[ffn.activation], self._linear(x, f"{layer}.mlp.fc", ffn.bias)
+        if ffn.gate_up_fused:  # fc = [up; gate] (Phi-3): up * act(gate), swiglu's second half activated
             up, gate = h.chunk(2, dim=-1)
             h = up * act(gate)
-        elif ls.gated_mlp:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
-            h = act(h) * self._linear(x, f"{layer}.mlp.gate", ls.mlp_bias)
+        elif ffn.gated:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
+            h = act(h) * self._linear(x, f"{layer}.mlp.gate", ffn.bias)
         else:
             h = act(h)
-        return self._linear(h, f"{layer}.mlp.proj", ls.mlp_bias and self.row_biases)
+        return self._linear(h, f"{layer}.mlp.proj", ffn.bias and self.row_biases)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (plus learned position embeddings), before the spec's embedding scale."""

@@ -32,15 +32,18 @@ def merge_ranks(directory: Path) -> dict[str, torch.Tensor]:
     """The TP=1/PP=1 tensors, rebuilt from every rank file (vocab padding and repeated KV heads removed)."""
     cfg, ranks = load_ranks(directory)
     tp, pp = cfg.mapping.tp_size, cfg.mapping.pp_size
-    fused = spec_of(cfg).layers[0].gate_up_fused
+    layers_of = spec_of(cfg).layers
     merged: dict[str, torch.Tensor] = {}
     for p, layers in enumerate(stage_layers(cfg.num_hidden_layers, pp)):
         for name in ranks[cfg.mapping.rank(0, p)]:
             parts = [ranks[cfg.mapping.rank(t, p)][name] for t in range(tp)]
             match = _LAYER.fullmatch(name)
-            full = f"transformer.layers.{int(match.group(1)) + layers.start}.{match.group(2)}" if match else name
+            full, ffn = name, None
+            if match:
+                index = int(match.group(1)) + layers.start
+                full, ffn = f"transformer.layers.{index}.{match.group(2)}", layers_of[index].ffn
             rows = cfg.max_position_embeddings if "position_embedding" in name else cfg.vocab_size
-            merged[full] = unshard(parts, split_of(name, fused), cfg, rows)
+            merged[full] = unshard(parts, split_of(name, ffn), cfg, rows)
     return merged
 
 
@@ -83,7 +86,7 @@ class TensorParallelModel(ReferenceModel):
 
     def mlp(self, x: torch.Tensor, ls: LayerSpec) -> torch.Tensor:
         parts = [m.mlp(x, m.spec.layers[ls.index]) for m in self.shards]
-        return self._sum(parts, f"{ls.prefix}.mlp.proj.bias" if ls.mlp_bias else None)
+        return self._sum(parts, f"{ls.prefix}.mlp.proj.bias" if ls.ffn.bias else None)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tp = len(self.shards)
