@@ -245,7 +245,7 @@ def quantize(
         f"{r['quantized_modules']} modules, {r['wall_time_s']:.2f} s",
     ]
     if r["quality"]:
-        from toolchain.evaluate.quality import QualityReport
+        from toolchain.quality import QualityReport
 
         lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
     _emit(r, json_out, lines)
@@ -721,7 +721,7 @@ def diff_(
 ) -> None:
     """What changed between two engines (weights, recipe, quantization, limits, backend, versions), what it cost
     in quality (NEW vs OLD: KLD, top-1, PPL; golden prompts) and speed (trace replay), with gates (exit 3)."""
-    from toolchain.diff import DiffOptions, run_diff
+    from toolchain.evaluate.diff import DiffOptions, run_diff
     from toolchain.evaluate.diff_report import change_lines, summary_line
 
     def show_changes(r: dict[str, Any]) -> None:

@@ -25,10 +25,10 @@ from typing import Any
 from toolchain import __version__, console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import convert
-from toolchain.diff import GATES as DIFF_GATES
-from toolchain.diff import baseline_settings, baseline_stage
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
+from toolchain.evaluate.diff import GATES as DIFF_GATES
+from toolchain.evaluate.diff import baseline_settings, baseline_stage
 from toolchain.evaluate.engine_eval import run_eval
 from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest

@@ -13,16 +13,18 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
-from toolchain.engine.api import Engine, load_tokenizer
+from toolchain.engine.api import BUILD_CONFIG, Engine, load_tokenizer, open_trusted, trusted_spec
+from toolchain.engine.build import read_build_config
 from toolchain.engine.contract import Batch
 from toolchain.errors import UserError
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
-from toolchain.evaluate.quality import QualityReport, collect, summarize
 from toolchain.evaluate.report import write_reports
-from toolchain.evaluate.text import tokenize
 from toolchain.manifest import MANIFEST_NAME, StageRecord, environment, read_manifest, sha256_file
+from toolchain.quality import QualityReport, collect, summarize
+from toolchain.quantize.methods.registry import by_algo
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
+from toolchain.text import tokenize
 
 GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
     "kld_mean_max": ("kld_mean", "max"),
@@ -176,8 +178,6 @@ def evaluate_engine(
 def built(engine_dir: Path) -> dict[str, Any]:
     """What the engine is, from its build_config.json and manifest: method, group size, KV cache dtype, backend,
     the manifest's sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
-    from toolchain.engine.build import read_build_config
-    from toolchain.quantize.methods.registry import by_algo
 
     config = read_build_config(engine_dir)
     algo = config["quantization"].get("quant_algo")
@@ -238,7 +238,6 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.engine.api import BUILD_CONFIG, open_trusted, trusted_spec
 
     spec = trusted_spec(engine_dir)  # an engine dir that is what its manifest says, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):

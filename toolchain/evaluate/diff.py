@@ -26,11 +26,19 @@ from typing import Any
 import torch
 
 from toolchain import console
-from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, open_trusted, trusted_spec
+from toolchain.atomic import atomic_dir, check_output_dir
+from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
 from toolchain.errors import UserError
+from toolchain.evaluate.diff_report import write_reports
+from toolchain.evaluate.engine_eval import EngineSession, Reference
+from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
+from toolchain.quality import summarize, token_stats
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.registry import by_algo
+from toolchain.runtime.replay import replay
+from toolchain.runtime.traces import load_trace
+from toolchain.text import tokenize
 
 STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine"}  # as pipeline.STAGE_DIRS
 
@@ -334,7 +342,6 @@ def quality_refusal(old: Side, new: Side) -> str | None:
 
 
 def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Tensor | None, str | None]:
-    from toolchain.evaluate.text import tokenize
 
     a = tokenize(data, old.engine_dir, max_tokens=max_tokens)
     b = tokenize(data, new.engine_dir, max_tokens=max_tokens)
@@ -346,8 +353,6 @@ def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Te
 def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, reference: Path | None) -> dict[str, Any]:
     """NEW against OLD on every window of `tokens` (OLD plays the reference: KL(P_old || P_new), PPL new/old),
     and each against the reference model when given. Each model scores each window once."""
-    from toolchain.evaluate.engine_eval import EngineSession, Reference
-    from toolchain.evaluate.quality import summarize, token_stats
 
     sessions = (EngineSession(old), EngineSession(new))
     ref = Reference(reference) if reference is not None else None
@@ -393,9 +398,6 @@ def _histograms(klds: dict[str, torch.Tensor], bins: int = 24) -> dict[str, Any]
 def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] | None, str | None]:
     """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does.
     (None, why) when the two tokenizers make different prompts."""
-    from toolchain.engine.api import load_tokenizer
-    from toolchain.evaluate.engine_eval import EngineSession
-    from toolchain.evaluate.golden import TokenBytes, read_golden
 
     items = read_golden(path)
     toks = [load_tokenizer(e.spec.engine_dir) for e in (old, new)]
@@ -433,8 +435,6 @@ def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] |
 def speed(old: Engine, new: Engine, trace: Path, opts: DiffOptions) -> dict[str, Any]:
     """Both engines replay the same trace slice (lengths fitted to the smaller engine) in `rounds` interleaved
     rounds, the order alternating, after one warm-up each; per engine the median of the rounds."""
-    from toolchain.runtime.replay import replay
-    from toolchain.runtime.traces import load_trace
 
     engines = {"old": old, "new": new}
     max_seq = min(e.spec.limits.max_seq_len for e in engines.values())
@@ -626,8 +626,6 @@ def run_diff(
 ) -> dict[str, Any]:
     """`diff`, then report.json / .md / .html and a manifest in `out_dir` (atomically) when given. `new_label`:
     where NEW's engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.atomic import atomic_dir, check_output_dir
-    from toolchain.evaluate.diff_report import write_reports
 
     if out_dir is not None:
         check_output_dir(out_dir, force, inputs=(old_dir, new_dir))
