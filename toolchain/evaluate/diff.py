@@ -15,7 +15,6 @@ Both directions are valid (diff NEW OLD is the rollback's view): every metric is
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from toolchain.evaluate.engine_eval import EngineSession, Reference
 from toolchain.evaluate.gates import DIFF, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
-from toolchain.quality import summarize, token_stats
+from toolchain.quality import kld_histogram, summarize, token_stats
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.registry import by_algo
 from toolchain.recipe import STAGE_DIRS
@@ -363,15 +362,9 @@ def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, referen
     return result
 
 
-def _histograms(klds: dict[str, torch.Tensor], bins: int = 24) -> dict[str, Any]:
-    """Counts over shared log10-spaced bins from 1e-6 to the largest KLD of all, so the series sit side by side."""
-    top = max(max(float(k.max()) for k in klds.values()), 1e-5)
-    hi = math.log10(top) + 1e-9
-    edges = torch.logspace(-6, hi, bins + 1, dtype=torch.float64).tolist()
-    counts = {
-        name: torch.histc(k.clamp(1e-6, top).log10(), bins=bins, min=-6, max=hi).tolist() for name, k in klds.items()
-    }
-    return {"edges": edges, "counts": counts}
+def _histograms(klds: dict[str, torch.Tensor]) -> dict[str, Any]:
+    edges, counts = kld_histogram(list(klds.values()))
+    return {"edges": edges, "counts": dict(zip(klds, counts, strict=True))}
 
 
 def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] | None, str | None]:

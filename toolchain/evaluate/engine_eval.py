@@ -20,7 +20,7 @@ from toolchain.evaluate.gates import EVAL, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
 from toolchain.evaluate.report import write_reports
 from toolchain.manifest import MANIFEST_NAME, StageRecord, environment, read_manifest, sha256_file
-from toolchain.quality import QualityReport, collect, summarize
+from toolchain.quality import QualityReport, collect, kld_histogram, summarize
 from toolchain.quantize.methods.registry import by_algo
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
@@ -198,12 +198,9 @@ def evaluated_with(backend: str) -> dict[str, Any]:
     }
 
 
-def _histogram(kld: torch.Tensor, bins: int = 24) -> dict[str, list[float]]:
-    """Counts over log10-spaced bins from 1e-6 to the maximum (KLD spans decades)."""
-    top = max(float(kld.max()), 1e-5)
-    edges = torch.logspace(-6, float(np.log10(top)) + 1e-9, bins + 1, dtype=torch.float64)
-    counts = torch.histc(kld.clamp(1e-6, top).log10(), bins=bins, min=-6, max=float(np.log10(top)) + 1e-9)
-    return {"edges": edges.tolist(), "counts": counts.tolist()}
+def _histogram(kld: torch.Tensor) -> dict[str, list[float]]:
+    edges, (counts,) = kld_histogram([kld])
+    return {"edges": edges, "counts": counts}
 
 
 def run_eval(
