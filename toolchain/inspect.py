@@ -9,6 +9,7 @@ from toolchain.checkpoint.hf import load_json
 from toolchain.checkpoint.trtllm import CONFIG_NAME, read_config
 from toolchain.engine.api import BUILD_CONFIG, EngineSpec
 from toolchain.errors import UserError
+from toolchain.evaluate.report import built_rows
 from toolchain.manifest import MANIFEST_NAME, read_manifest
 
 
@@ -132,8 +133,6 @@ def eval_lines(ev: dict[str, Any], indent: str = "") -> list[str]:
         for g in ev["gates"]
     ]
     if ev.get("built"):
-        from toolchain.evaluate.report import built_rows
-
         rows = dict(built_rows(ev["built"]))
         lines.append(
             f"{indent}  built         {rows['method']}, KV cache {rows['KV cache']}, {rows['backend']}, engine "

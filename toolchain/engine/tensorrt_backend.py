@@ -13,16 +13,14 @@ from __future__ import annotations
 import importlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import onnx
 
+from toolchain.engine.api import Limits
 from toolchain.engine.onnx_fields import complete_plugin_fields
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
-
-if TYPE_CHECKING:
-    from toolchain.engine.api import Limits  # api opens engines through backends.py, which imports this module
 
 PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers the trtbuild plugins via tensorrt.plugin
 PLAN_NAME = "engine.plan"
