@@ -21,13 +21,13 @@ sys.path.insert(0, str(ROOT))
 
 from toolchain.checkpoint.convert import convert  # noqa: E402
 from toolchain.checkpoint.trtllm import load_rank, read_config  # noqa: E402
-from toolchain.evaluate.quality import compare  # noqa: E402
-from toolchain.evaluate.text import tokenize  # noqa: E402
+from toolchain.quality import compare  # noqa: E402
 from toolchain.quantize.calibrate import KV_CLIP, sample_windows  # noqa: E402
 from toolchain.quantize.core import fake_quant  # noqa: E402
 from toolchain.quantize.methods.registry import kv_by_algo  # noqa: E402
 from toolchain.reference.model import Hooks, ReferenceModel  # noqa: E402
 from toolchain.reference.rope import apply_rotary  # noqa: E402
+from toolchain.text import tokenize  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data"
 SEARCH_WINDOWS = 16  # calibration windows the attention-output search runs on

@@ -10,7 +10,7 @@ ModelOpt runs in its own python (TRTBUILD_MODELOPT_PYTHON, else ~/.cache/trtbuil
 interpreter; tests/modelopt_export.py says how to make it), which runs this file as a worker: it reads the windows
 from a safetensors file, writes the fake-quant logits and the export, and a result.json with the error of whichever
 failed (ModelOpt's int4 export refuses a K that is not a whole number of groups). Each figure is a quality dict
-(toolchain.evaluate.quality.QualityReport) or a one-line reason.
+(toolchain.quality.QualityReport) or a one-line reason.
 """
 
 from __future__ import annotations
@@ -98,9 +98,9 @@ def prepare(
     """The calibration windows `trtbuild quantize` samples, the evaluation tokens it scores and its float
     reference, for converted checkpoint `ckpt` of `hf_dir`."""
     from toolchain.checkpoint.trtllm import load_rank, read_config
-    from toolchain.evaluate.text import tokenize
     from toolchain.quantize.calibrate import sample_windows
     from toolchain.reference.model import ReferenceModel
+    from toolchain.text import tokenize
 
     cfg = read_config(ckpt)
     calib = sample_windows(tokenize(calib_data, ckpt), samples, seq_len, seed)
@@ -111,13 +111,13 @@ def prepare(
 
 def measure(spec: Spec, inputs: Inputs, python: str, work: Path) -> dict[str, Any]:
     """ModelOpt's figures for `spec`: {"engine": quality dict | reason, "fake_quant": quality dict | reason,
-    "seconds": float}, scored as toolchain.evaluate.quality.compare scores trtbuild's rows."""
+    "seconds": float}, scored as toolchain.quality.compare scores trtbuild's rows."""
     reason = skip_reason(spec)
     if reason:
         return {"engine": reason, "fake_quant": reason, "seconds": 0.0}
     from safetensors.torch import save_file
 
-    from toolchain.evaluate.quality import compare
+    from toolchain.quality import compare
 
     start, tokens, window = time.perf_counter(), inputs.eval_tokens, inputs.window
     work.mkdir(parents=True)
@@ -147,7 +147,7 @@ def engine_quality(checkpoint: Path, inputs: Inputs, engine_dir: Path) -> dict[s
     from toolchain.engine.build import BuildOptions, build_engine
     from toolchain.errors import UserError
     from toolchain.evaluate.engine_eval import EngineSession
-    from toolchain.evaluate.quality import compare
+    from toolchain.quality import compare
 
     try:
         opts = BuildOptions("onnxruntime", max_seq_len=inputs.window)

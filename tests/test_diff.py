@@ -13,7 +13,7 @@ import pytest
 from conftest import one_line_error, reseal, save_random_llama
 
 from toolchain.checkpoint.tiny import make_tiny_llama
-from toolchain.diff import check_gates
+from toolchain.evaluate.diff import check_gates
 from toolchain.evaluate.diff_report import SERIES, markdown
 from toolchain.pipeline import run_recipe
 from toolchain.recipe import load_recipe

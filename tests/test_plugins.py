@@ -381,7 +381,7 @@ def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
     left it out; the graph itself is not changed."""
     from onnx import helper
 
-    from toolchain.plugins.onnx_fields import complete_plugin_fields
+    from toolchain.engine.onnx_fields import complete_plugin_fields
 
     a = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16)
     ins = ["q", "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]

@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from toolchain.cli import app
-from toolchain.pipeline import STAGE_DIRS, _stage_keys, default_report_dir
-from toolchain.recipe import load_recipe
+from toolchain.pipeline import _stage_keys, default_report_dir
+from toolchain.recipe import STAGE_DIRS, load_recipe
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 DEMO_STAGES = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report"}

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.checkpoint.convert import convert
-from toolchain.evaluate.quality import compare, token_stats
-from toolchain.evaluate.text import read_text, tokenize
+from toolchain.quality import compare, token_stats
 from toolchain.reference.model import ReferenceModel
+from toolchain.text import read_text, tokenize
 
 
 def test_token_stats_match_direct_formulas() -> None:

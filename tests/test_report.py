@@ -16,8 +16,8 @@ from conftest import reseal
 
 from toolchain.checkpoint.tiny import byte_level_tokenizer, make_tiny_llama
 from toolchain.evaluate.golden import TokenBytes, readable
-from toolchain.evaluate.quality import QualityReport
 from toolchain.evaluate.report import markdown, page, write_reports
+from toolchain.quality import QualityReport
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TEXT = ROOT / "recipes" / "data" / "demo.txt"

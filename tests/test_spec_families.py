@@ -24,11 +24,11 @@ from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.checkpoint.trtllm import load_rank, read_config
 from toolchain.errors import UserError
-from toolchain.evaluate.text import tokenize
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.reference.model import ReferenceModel
 from toolchain.reference.parallel import tp_logits
+from toolchain.text import tokenize
 
 GEMMA3: dict[str, Any] = {
     "num_hidden_layers": 7,  # pattern 6: layers 0-4 and 6 slide, layer 5 is global

@@ -25,6 +25,8 @@ from typer._click.exceptions import ClickException, UsageError
 
 from toolchain import __version__, console
 from toolchain import serve as serving  # the server's defaults (constants only; the server loads on use)
+from toolchain.engine.backends import AUTO
+from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
 from toolchain.errors import UserError
 from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES, METHODS_HELP
 
@@ -245,16 +247,13 @@ def quantize(
         f"{r['quantized_modules']} modules, {r['wall_time_s']:.2f} s",
     ]
     if r["quality"]:
-        from toolchain.evaluate.quality import QualityReport
+        from toolchain.quality import QualityReport
 
         lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
     _emit(r, json_out, lines)
 
 
-class Backend(str, Enum):
-    auto = "auto"
-    tensorrt = "tensorrt"
-    onnxruntime = "onnxruntime"
+Backend = Enum("Backend", {name: name for name in BACKEND_CHOICES}, type=str)  # type: ignore[misc]
 
 
 @app.command(
@@ -266,7 +265,7 @@ def build(
     output: OutputOpt,
     backend: Annotated[
         Backend, typer.Option(help="tensorrt: a TensorRT plan (needs TensorRT + GPU); onnxruntime: the CPU engine.")
-    ] = Backend.auto,
+    ] = Backend[AUTO],
     max_batch_size: Annotated[int, typer.Option("--max-batch-size", min=1, help="Sequences per call.")] = 16,
     max_num_tokens: Annotated[
         int, typer.Option("--max-num-tokens", min=1, help="Tokens per call (prefill chunks + decodes).")
@@ -721,7 +720,7 @@ def diff_(
 ) -> None:
     """What changed between two engines (weights, recipe, quantization, limits, backend, versions), what it cost
     in quality (NEW vs OLD: KLD, top-1, PPL; golden prompts) and speed (trace replay), with gates (exit 3)."""
-    from toolchain.diff import DiffOptions, run_diff
+    from toolchain.evaluate.diff import DiffOptions, run_diff
     from toolchain.evaluate.diff_report import change_lines, summary_line
 
     def show_changes(r: dict[str, Any]) -> None:

@@ -7,7 +7,9 @@ from typing import Any
 
 from toolchain.checkpoint.hf import load_json
 from toolchain.checkpoint.trtllm import CONFIG_NAME, read_config
+from toolchain.engine.api import BUILD_CONFIG, EngineSpec
 from toolchain.errors import UserError
+from toolchain.evaluate.report import built_rows
 from toolchain.manifest import MANIFEST_NAME, read_manifest
 
 
@@ -69,27 +71,25 @@ _TENSORRT_PLUGINS = (
 
 
 def _engine(directory: Path) -> dict[str, Any]:
-    from toolchain.engine.build import read_build_config
-
-    config = read_build_config(directory)
-    compat = config.get("compatibility") or {}
+    spec = EngineSpec.from_dir(directory)
+    compat = spec.compatibility or {}
     return {
         "kind": "engine",
         "engine": {
-            "backend": config["backend"],
-            "dtype": config["dtype"],
-            "architecture": config["architecture"],
-            "quant_algo": config["quantization"]["quant_algo"],
-            "kv_cache": config["kv_cache"]["dtype"],
-            "limits": config["limits"],
+            "backend": spec.backend,
+            "dtype": spec.dtype,
+            "architecture": spec.architecture,
+            "quant_algo": spec.quantization.get("quant_algo"),
+            "kv_cache": spec.kv_cache.dtype,
+            "limits": spec.limits.to_json(),
             "tensorrt": compat.get("tensorrt"),
             "gpu": compat.get("gpu"),
             "sm": compat.get("sm"),
             "driver": compat.get("driver"),
             "cuda": compat.get("cuda"),
-            "onnxruntime": config.get("onnxruntime"),
+            "onnxruntime": spec.onnxruntime,
             # until the CUDA plugins and the TensorRT runtime have run on a GPU (docs/kernels.md, docs/engine.md)
-            "plugins": _TENSORRT_PLUGINS if config["backend"] == "tensorrt" else _CPU_PLUGINS,
+            "plugins": _TENSORRT_PLUGINS if spec.backend == "tensorrt" else _CPU_PLUGINS,
         },
     }
 
@@ -133,8 +133,6 @@ def eval_lines(ev: dict[str, Any], indent: str = "") -> list[str]:
         for g in ev["gates"]
     ]
     if ev.get("built"):
-        from toolchain.evaluate.report import built_rows
-
         rows = dict(built_rows(ev["built"]))
         lines.append(
             f"{indent}  built         {rows['method']}, KV cache {rows['KV cache']}, {rows['backend']}, engine "
@@ -151,7 +149,7 @@ def describe(directory: Path) -> dict[str, Any]:
         config = load_json(directory / CONFIG_NAME)
         hf_style = "architecture" not in config and "architectures" in config
         info.update(_hf_model(directory, config) if hf_style else _checkpoint(directory))
-    if (directory / "build_config.json").is_file():
+    if (directory / BUILD_CONFIG).is_file():
         info.update(_engine(directory))
     children = [p for p in sorted(directory.iterdir()) if p.is_dir() and (p / MANIFEST_NAME).is_file()]
     if children:

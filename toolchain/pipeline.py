@@ -25,15 +25,15 @@ from typing import Any
 from toolchain import __version__, console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import convert
-from toolchain.diff import GATES as DIFF_GATES
-from toolchain.diff import baseline_settings, baseline_stage
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
+from toolchain.evaluate.diff import baseline_settings, baseline_stage
 from toolchain.evaluate.engine_eval import run_eval
+from toolchain.evaluate.gates import DIFF as DIFF_GATES
 from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
-from toolchain.recipe import LoadedRecipe, Recipe
+from toolchain.recipe import STAGE_DIRS, LoadedRecipe, Recipe
 
 
 def _digest(*parts: Any) -> str:
@@ -94,9 +94,6 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         if diff_settings is not None:
             keys["diff"] = _digest(upstream, diff_settings, inputs)
     return keys
-
-
-STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report", "diff": "diff"}
 
 
 def default_report_dir(engine_dir: Path) -> Path:
@@ -165,7 +162,9 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
             "quantize": lambda r: _quantize(recipe, tmp, r),
             "build": lambda r: _build(recipe, tmp, r),
             "eval": lambda r: _eval(recipe, tmp, out, r),
-            "diff": lambda r: baseline_stage(recipe.eval, tmp / "engine", tmp / "diff", r, out.resolve() / "engine"),
+            "diff": lambda r: baseline_stage(
+                recipe.eval, tmp / STAGE_DIRS["build"], tmp / STAGE_DIRS["diff"], r, out.resolve() / STAGE_DIRS["build"]
+            ),
         }
         for stage, key in keys.items():
             cached = _reuse(previous, stage, key, tmp)
@@ -223,7 +222,7 @@ def _store_summary(stage_dir: Path, summary: dict[str, Any]) -> None:
 def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     return convert(
         recipe.model.path,
-        tmp / "checkpoint",
+        tmp / STAGE_DIRS["convert"],
         dtype=recipe.model.dtype,
         allow_pickle=recipe.model.allow_pickle,
         tp=recipe.convert.tp,
@@ -247,15 +246,17 @@ def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
         tuple(q.exclude),
         q.sq_alpha,
     )
-    return quantize_checkpoint(tmp / "checkpoint", tmp / "quantized", opts, q.eval_data, q.eval_tokens, record=record)
+    return quantize_checkpoint(
+        tmp / STAGE_DIRS["convert"], tmp / STAGE_DIRS["quantize"], opts, q.eval_data, q.eval_tokens, record=record
+    )
 
 
 def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     b = recipe.build
     assert b is not None
-    source = tmp / ("quantized" if recipe.quantize is not None else "checkpoint")
+    source = tmp / STAGE_DIRS["quantize" if recipe.quantize is not None else "convert"]
     opts = BuildOptions(b.backend, b.max_batch_size, b.max_num_tokens, b.max_seq_len, b.tokens_per_block)
-    return build_engine(source, tmp / "engine", opts, record=record)
+    return build_engine(source, tmp / STAGE_DIRS["build"], opts, record=record)
 
 
 def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str, Any]:
@@ -263,8 +264,8 @@ def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str
     assert e is not None
     gates = {k: v for k, v in e.gates.model_dump().items() if v is not None and k not in DIFF_GATES}
     result = run_eval(
-        tmp / "engine",
-        tmp / "report",
+        tmp / STAGE_DIRS["build"],
+        tmp / STAGE_DIRS["eval"],
         recipe.model.path,
         e.data,
         e.max_tokens,

@@ -30,6 +30,8 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
+from toolchain.engine.geometry import TOKENS_PER_BLOCK
 from toolchain.errors import UserError
 from toolchain.files import RECIPE_LIMIT, read_text_capped
 from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES
@@ -60,7 +62,10 @@ RecipeLoader.yaml_implicit_resolvers = {  # SafeLoader's, less its YAML 1.1 floa
 }
 RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 
+# stage -> its directory in a `trtbuild run` output dir (pipeline.py writes them, diff.py and inspect read them)
+STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report", "diff": "diff"}
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
+BackendChoice = Literal[BACKEND_CHOICES]  # type: ignore[valid-type]  # engine/backends.py's registry, as a Literal
 
 
 class _Section(BaseModel):
@@ -133,11 +138,22 @@ class BuildSection(_Section):
     def _empty_means_defaults(cls, data: Any) -> Any:
         return {} if data is None else data
 
-    backend: Literal["auto", "tensorrt", "onnxruntime"] = Field("auto", description="Engine backend")
+    backend: BackendChoice = Field("auto", description="Engine backend")
     max_batch_size: StrictInt = Field(16, ge=1, description="Sequences per engine call")
     max_num_tokens: StrictInt = Field(2048, ge=1, description="Tokens per engine call")
     max_seq_len: StrictInt = Field(0, ge=0, description="Longest sequence; 0: the model's max positions")
-    tokens_per_block: StrictInt = Field(16, ge=1, le=128, description="KV cache block size in tokens")
+    tokens_per_block: StrictInt = Field(
+        16, description="KV cache block size in tokens", json_schema_extra={"enum": list(TOKENS_PER_BLOCK)}
+    )
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _block_size(cls, value: int) -> int:
+        if value not in TOKENS_PER_BLOCK:  # the engine's own set (contract.py), so a recipe fails before any stage
+            raise PydanticCustomError(
+                "block_size", "must be one of {sizes}", {"sizes": ", ".join(map(str, TOKENS_PER_BLOCK))}
+            )
+        return value
 
 
 class GatesSection(_Section):

@@ -2,7 +2,7 @@
 
 `open_engine(DIR)` reads the engine directory's build_config.json ONCE into a frozen `EngineSpec` (limits, KV pool
 geometry, vocabulary, dtype, backend, quantization, compatibility record), checks that the engine may run here,
-and opens it through the one backend registry below. Everything downstream asks the spec; nothing re-derives an
+and opens it through the one backend registry (backends.py). Everything downstream asks the spec; nothing re-derives an
 engine fact from graph attributes or re-reads the JSON.
 
 An `Engine` runs one packed batch (contract.py) against a KV pool it made with `new_kv_cache` and returns the
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -22,8 +22,9 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from toolchain import console
+from toolchain.engine.backends import by_name
 from toolchain.engine.contract import CONTRACT_VERSION, KV_DTYPES, Batch
+from toolchain.engine.geometry import TOKENS_PER_BLOCK, blocks_for, kv_block_shape
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, check_tokenizer_dir, read_bytes_capped, read_text_capped
 from toolchain.integrity import check_engine
@@ -32,7 +33,6 @@ BUILD_CONFIG = "build_config.json"
 MODEL_NAME = "model.onnx"
 MANIFEST_NAME = "manifest.json"
 INT32_MAX = (1 << 31) - 1  # the engine's shape and index inputs are int32 (contract.py)
-TOKENS_PER_BLOCK = (1, 2, 4, 8, 16, 32, 64, 128)  # what the attention plugin's kernels are compiled for
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,11 @@ class Limits:
 
     @property
     def max_blocks_per_seq(self) -> int:
-        return -(-self.max_seq_len // self.tokens_per_block)
+        return blocks_for(self.max_seq_len, self.tokens_per_block)
+
+    def to_json(self) -> dict[str, int]:
+        """build_config.json's `limits`: the fields, then max_blocks_per_seq (derived, written for readers)."""
+        return {**asdict(self), "max_blocks_per_seq": self.max_blocks_per_seq}
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,7 @@ class KVCacheSpec:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int]:
-        return (2, self.num_kv_heads, self.tokens_per_block, self.head_size)
+        return kv_block_shape(self.num_kv_heads, self.tokens_per_block, self.head_size)
 
     @property
     def storage_dtype(self) -> torch.dtype:
@@ -114,6 +118,7 @@ class EngineSpec:
     compatibility: Mapping[str, Any] | None = None  # TensorRT, GPU, SM, driver, CUDA of a TensorRT build
     onnxruntime: str | None = None
     manifest_sha256: str | None = None  # of the engine dir's manifest.json: the engine's identity
+    build: Mapping[str, Any] | None = None  # what the backend's build step reports (a TensorRT plan's build)
 
     @property
     def num_layers(self) -> int:
@@ -122,6 +127,34 @@ class EngineSpec:
     @property
     def quant_algo(self) -> str:
         return str(self.quantization.get("quant_algo") or "none")
+
+    def to_config(self) -> dict[str, Any]:
+        """The build_config.json object (key order as written since contract 2)."""
+        return {
+            "contract_version": CONTRACT_VERSION,
+            "backend": self.backend,
+            "dtype": self.dtype,
+            "checkpoint_dtype": self.checkpoint_dtype,
+            "architecture": self.architecture,
+            "vocab_size": self.vocab_size,
+            "num_layers": self.num_layers,
+            "quantization": dict(self.quantization),
+            "limits": self.limits.to_json(),
+            "kv_cache": {
+                "dtype": self.kv_cache.dtype,
+                "block_shape": list(self.kv_cache.block_shape),
+                "pool_shape": list(self.kv_cache.pool_shape(self.limits.num_blocks)),
+            },
+            "compatibility": dict(self.compatibility) if self.compatibility is not None else None,
+            "onnxruntime": self.onnxruntime,
+            "build": dict(self.build) if self.build else None,
+        }
+
+    def write(self, engine_dir: Path) -> dict[str, Any]:
+        """Write build_config.json into `engine_dir`; -> the object written (the build manifest records it too)."""
+        config = self.to_config()
+        (engine_dir / BUILD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        return config
 
     @classmethod
     def from_dir(cls, engine_dir: Path) -> EngineSpec:
@@ -183,6 +216,7 @@ class EngineSpec:
             compatibility=MappingProxyType(dict(config["compatibility"])) if config.get("compatibility") else None,
             onnxruntime=config.get("onnxruntime"),
             manifest_sha256=_sha256(manifest),
+            build=MappingProxyType(dict(config["build"])) if config.get("build") else None,
         )
 
 
@@ -229,38 +263,6 @@ def tokens_on_host(logits: np.ndarray, sampled: Sequence[int]) -> StepTokens:
     return StepTokens(logits.argmax(axis=1), {i: logits[i] for i in sampled})
 
 
-def _open_onnxruntime(spec: EngineSpec) -> Engine:
-    from toolchain.engine.ort_backend import OrtEngine
-
-    if spec.backend == "tensorrt":
-        console.warn(f"{spec.engine_dir}: running the TensorRT engine's ONNX graph on the CPU")
-    return OrtEngine(spec)
-
-
-def _open_tensorrt(spec: EngineSpec) -> Engine:
-    from toolchain.engine import tensorrt_backend
-
-    if spec.backend != "tensorrt" or spec.compatibility is None:
-        raise UserError(
-            f"{spec.engine_dir} was built for {spec.backend}, it has no TensorRT plan; rebuild it with "
-            "`trtbuild build --backend tensorrt` on a GPU machine, or run it with --backend onnxruntime"
-        )
-    from toolchain.engine.tensorrt_runtime import TrtEngine
-
-    here = tensorrt_backend.versions()
-    if here.get("tensorrt") is not None:  # without TensorRT, TrtEngine says what is missing instead
-        tensorrt_backend.check_compatible(dict(spec.compatibility), here)
-
-    return TrtEngine(spec)
-
-
-# backend name -> opener; the one place that knows which class runs which engine
-BACKENDS: dict[str, Callable[[EngineSpec], Engine]] = {
-    "onnxruntime": _open_onnxruntime,
-    "tensorrt": _open_tensorrt,
-}
-
-
 def trusted_spec(engine_dir: Path) -> EngineSpec:
     """The spec of an engine whose files are exactly what its manifest lists (integrity.check_engine: exit 4)."""
     if (engine_dir / BUILD_CONFIG).is_file():  # else from_dir says it is no engine dir, and how to make one
@@ -277,10 +279,7 @@ def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
 
 def open_trusted(spec: EngineSpec, backend: str | None = None) -> Engine:
     """`open_engine` for a spec `trusted_spec` already gave (the engine checked once, not once per step)."""
-    chosen = backend or spec.backend
-    if chosen not in BACKENDS:
-        raise UserError(f"backend {chosen!r} is not supported; choose one of {', '.join(BACKENDS)}")
-    return BACKENDS[chosen](spec)
+    return by_name(backend or spec.backend).open(spec)
 
 
 def load_tokenizer(engine_dir: Path) -> Any:

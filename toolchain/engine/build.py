@@ -9,30 +9,25 @@ ENGINE_DIR/
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import onnx
-import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES, has_tokenizer
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
-from toolchain.engine import tensorrt_backend
-from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
-from toolchain.engine.contract import CONTRACT_VERSION
+from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, KVCacheSpec, Limits
+from toolchain.engine.backends import CHOICES, choose
 from toolchain.engine.export import export_model, save_model
+from toolchain.engine.geometry import TOKENS_PER_BLOCK, blocks_for
 from toolchain.errors import UserError
-from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
-from toolchain.manifest import StageRecord, package_version
+from toolchain.files import TOKENIZER_LIMIT, check_present
+from toolchain.manifest import StageRecord
 from toolchain.quantize.methods.registry import kv_by_algo
-
-BACKENDS = ("auto", "tensorrt", "onnxruntime")
-TRT_TOKENS_PER_BLOCK = (16, 32, 64)  # the CUDA plugin's block sizes (plugins/)
 
 
 @dataclass(frozen=True)
@@ -44,29 +39,15 @@ class BuildOptions:
     tokens_per_block: int = 16
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise UserError(f"backend {self.backend!r} is not supported; choose one of {', '.join(BACKENDS)}")
-        if self.tokens_per_block not in (1, 2, 4, 8, 16, 32, 64, 128):
+        if self.backend not in CHOICES:
+            raise UserError(f"backend {self.backend!r} is not supported; choose one of {', '.join(CHOICES)}")
+        if self.tokens_per_block not in TOKENS_PER_BLOCK:
             raise UserError(f"tokens per block {self.tokens_per_block}: choose a power of two up to 128")
         for name in ("max_batch_size", "max_num_tokens"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name} must be at least 1")
         if self.max_seq_len < 0:
             raise UserError("max_seq_len must be positive (or 0 for the model's max_position_embeddings)")
-
-
-def _choose_backend(requested: str, record: StageRecord) -> str:
-    reason = tensorrt_backend.available()
-    if requested == "tensorrt" and reason:
-        raise UserError(f"--backend tensorrt: {reason}; use --backend onnxruntime (or auto) to build the CPU engine")
-    if requested == "auto":
-        if reason is None:
-            return "tensorrt"
-        note = f"TensorRT backend unavailable ({reason}): building the CPU engine (ONNX Runtime)"
-        console.warn(note)
-        record.warnings.append(note)
-        return "onnxruntime"
-    return requested
 
 
 def require_tokenizer(engine_dir: Path) -> None:
@@ -121,18 +102,16 @@ def build_engine(
         )
     record = record or StageRecord("build")
     tokenizer_paths = tokenizer_files(checkpoint, tokenizer, record)
-    backend = _choose_backend(opts.backend, record)
-    if backend == "tensorrt" and opts.tokens_per_block not in TRT_TOKENS_PER_BLOCK:
-        raise UserError(f"--tokens-per-block {opts.tokens_per_block}: the CUDA plugin supports 16, 32 or 64")
-    # ONNX Runtime's CPU kernels lack bf16 (and much of fp16): the CPU engine computes in float32.
-    dtype = cfg.torch_dtype if backend == "tensorrt" else torch.float32
-    per_seq = -(-max_seq_len // opts.tokens_per_block)
+    backend = choose(opts.backend, record)
+    backend.check_tokens_per_block(opts.tokens_per_block)
+    dtype = backend.engine_dtype(cfg.torch_dtype)
     limits = Limits(
         max_batch_size=opts.max_batch_size,
         max_num_tokens=opts.max_num_tokens,
         max_seq_len=max_seq_len,
         tokens_per_block=opts.tokens_per_block,
-        num_blocks=opts.max_batch_size * per_seq,  # the pool: max_batch_size sequences of max_seq_len
+        # the pool: max_batch_size sequences of max_seq_len
+        num_blocks=opts.max_batch_size * blocks_for(max_seq_len, opts.tokens_per_block),
     )
     console.info(
         f"exporting {cfg.architecture} ({cfg.num_hidden_layers} layers) to ONNX in {dtype}".replace("torch.", "")
@@ -140,7 +119,6 @@ def build_engine(
     weights = load_rank(checkpoint, 0)
     model = export_model(cfg, weights, dtype, opts.tokens_per_block, str(checkpoint / rank_file(0)))
     del weights
-    build_info: dict[str, Any] = {}
     with atomic_dir(out_dir, force, inputs=(checkpoint,)) as tmp:
         record.add_inputs(checkpoint, [checkpoint / CONFIG_NAME, checkpoint / rank_file(0)])
         if tokenizer is not None and tokenizer_paths:
@@ -148,52 +126,43 @@ def build_engine(
         save_model(model, tmp / MODEL_NAME)
         del model
         onnx.checker.check_model(str(tmp / MODEL_NAME), full_check=True)  # by path: external data included
-        kv_block = (2, cfg.num_key_value_heads, opts.tokens_per_block, cfg.head_size)
-        if backend == "tensorrt":
-            build_info = tensorrt_backend.build_plan(tmp / MODEL_NAME, tmp, limits, cfg.num_hidden_layers, kv_block)
+        kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(checkpoint / "config.json"))
+        kv_cache = KVCacheSpec(
+            kv.name if kv else str(dtype).removeprefix("torch."),
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            opts.tokens_per_block,
+            cfg.head_size,
+        )
+        build_info = (
+            backend.plan(tmp / MODEL_NAME, tmp, limits, cfg.num_hidden_layers, kv_cache.block_shape)
+            if backend.plan
+            else None
+        )
         for path in tokenizer_paths:
             shutil.copyfile(path, tmp / path.name)
-        kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(checkpoint / "config.json"))
-        config = {
-            "contract_version": CONTRACT_VERSION,
-            "backend": backend,
-            "dtype": str(dtype).removeprefix("torch."),
-            "checkpoint_dtype": cfg.dtype,
-            "architecture": cfg.architecture,
-            "vocab_size": cfg.vocab_size,
-            "num_layers": cfg.num_hidden_layers,
-            "quantization": asdict(cfg.quantization),
-            "limits": {**asdict(limits), "max_blocks_per_seq": limits.max_blocks_per_seq},
-            "kv_cache": {
-                "dtype": kv.name if kv else str(dtype).removeprefix("torch."),
-                "block_shape": list(kv_block),
-                "pool_shape": [cfg.num_hidden_layers, limits.num_blocks, *kv_block],
-            },
-            "compatibility": tensorrt_backend.versions() if backend == "tensorrt" else None,
-            "onnxruntime": package_version("onnxruntime") if backend == "onnxruntime" else None,
-            "build": build_info or None,
-        }
-        (tmp / BUILD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        spec = EngineSpec(
+            engine_dir=tmp,
+            backend=backend.name,
+            dtype=str(dtype).removeprefix("torch."),
+            checkpoint_dtype=cfg.dtype,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            limits=limits,
+            kv_cache=kv_cache,
+            quantization=asdict(cfg.quantization),
+            compatibility=backend.compatibility(),
+            onnxruntime=backend.runtime_version(),
+            build=build_info,
+        )
+        config = spec.write(tmp)
         record.details.update(build_config=config)
         manifest = record.write(tmp)
     return {
         "engine_dir": str(out_dir.resolve()),
-        "backend": backend,
+        "backend": backend.name,
         "dtype": config["dtype"],
         "limits": config["limits"],
         "outputs": manifest["outputs"],
         "wall_time_s": manifest["wall_time_s"],
     }
-
-
-def read_build_config(engine_dir: Path) -> dict[str, Any]:
-    path = engine_dir / BUILD_CONFIG
-    if not path.is_file():
-        raise UserError(f"{engine_dir} is not an engine directory (no {BUILD_CONFIG}); build one with `trtbuild build`")
-    config: dict[str, Any] = json.loads(read_text_capped(path, JSON_LIMIT, "build config"))
-    if config.get("contract_version") != CONTRACT_VERSION:
-        raise UserError(
-            f"{path}: engine I/O contract {config.get('contract_version')}, this trtbuild speaks {CONTRACT_VERSION}; "
-            "rebuild the engine"
-        )
-    return config

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from toolchain.engine.geometry import blocks_for
+
 CONTRACT_VERSION = 2  # 2: attention as KVCacheWrite + PagedAttention, the pool an input updated in place
 PLUGIN_DOMAIN = "trtbuild"  # the plugins' namespace: ONNX custom-op domain and TensorRT plugin namespace
 WRITE_OP = "KVCacheWrite"  # rotary + KV store; plugin name = ONNX op_type = TensorRT plugin name
@@ -79,7 +81,7 @@ class Batch:
             raise ValueError("batch arrays disagree on num_tokens / num_seqs")
         if int(self.new_lens.sum()) != n:
             raise ValueError(f"new_lens sum to {int(self.new_lens.sum())}, not num_tokens {n}")
-        needed = -(-(self.context_lens + self.new_lens) // tokens_per_block)
+        needed = blocks_for(self.context_lens + self.new_lens, tokens_per_block)
         if s and int(needed.max()) > self.block_tables.shape[1]:
             raise ValueError("a sequence needs more blocks than block_tables has columns")
         if not np.array_equal(self.position_ids, _positions(self.context_lens, self.new_lens)):
@@ -89,7 +91,7 @@ class Batch:
 
     def check_blocks(self, num_blocks: int, tokens_per_block: int) -> None:
         """Every block a sequence uses exists (a negative id would silently wrap around in the pool)."""
-        needed = -(-(self.context_lens.astype(np.int64) + self.new_lens) // tokens_per_block)
+        needed = blocks_for(self.context_lens.astype(np.int64) + self.new_lens, tokens_per_block)
         used = np.arange(self.block_tables.shape[1])[None, :] < needed[:, None]
         bad = used & ((self.block_tables < 0) | (self.block_tables >= num_blocks))
         if bad.any():

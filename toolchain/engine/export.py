@@ -22,6 +22,7 @@ from onnx import TensorProto, helper
 from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, experts_unsupported, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
+from toolchain.engine.geometry import kv_block_shape
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.errors import UserError
 from toolchain.quantize.methods.base import quantized
@@ -343,7 +344,11 @@ class _Exporter:
 
     def _kv_shape(self) -> tuple[int | str, ...]:
         c = self.cfg
-        return (c.num_hidden_layers, "num_blocks", 2, c.num_key_value_heads, self.tokens_per_block, c.head_size)
+        return (
+            c.num_hidden_layers,
+            "num_blocks",
+            *kv_block_shape(c.num_key_value_heads, self.tokens_per_block, c.head_size),
+        )
 
     def _io(self, name: str, spec: tuple[str, tuple[str, ...]]) -> onnx.ValueInfoProto:
         elem, dims = spec

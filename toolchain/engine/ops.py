@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from toolchain.engine.geometry import blocks_for
 from toolchain.quantize.core import FP8_E4M3_MAX
 from toolchain.reference.rope import apply_rotary, cos_sin
 
@@ -308,7 +309,7 @@ def paged_attention(
     positions = position_ids.long()
     for s, start, n, ctx in plan.chunks:
         total = ctx + n
-        blocks = block_tables[s, : -(-total // tpb)].long()
+        blocks = block_tables[s, : blocks_for(total, tpb)].long()
         kv = tiles.index_select(0, _tile_rows(blocks, kvh))  # K and V [2, kv_heads, blocks * tpb, d]: one gather
         kv = _load(kv.view(2, kvh, -1, d)[:, :, :total], a, compute)
         query_pos, key_pos = positions[start : start + n, None], torch.arange(total)[None, :]

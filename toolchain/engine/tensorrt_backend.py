@@ -18,9 +18,9 @@ from typing import Any
 import onnx
 
 from toolchain.engine.api import Limits
+from toolchain.engine.onnx_fields import complete_plugin_fields
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
-from toolchain.plugins.onnx_fields import complete_plugin_fields
 
 PLUGIN_MODULE = "toolchain.plugins.tensorrt_registration"  # registers the trtbuild plugins via tensorrt.plugin
 PLAN_NAME = "engine.plan"

@@ -4,7 +4,6 @@ Hugging Face model in float32; greedy golden-prompt replay; gates that turn a re
 from __future__ import annotations
 
 import inspect
-import math
 from pathlib import Path
 from typing import Any
 
@@ -13,23 +12,19 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
-from toolchain.engine.api import Engine, load_tokenizer
+from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
 from toolchain.engine.contract import Batch
+from toolchain.engine.geometry import blocks_for
 from toolchain.errors import UserError
+from toolchain.evaluate.gates import EVAL, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
-from toolchain.evaluate.quality import QualityReport, collect, summarize
 from toolchain.evaluate.report import write_reports
-from toolchain.evaluate.text import tokenize
 from toolchain.manifest import MANIFEST_NAME, StageRecord, environment, read_manifest, sha256_file
+from toolchain.quality import QualityReport, collect, kld_histogram, summarize
+from toolchain.quantize.methods.registry import by_algo
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
-
-GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
-    "kld_mean_max": ("kld_mean", "max"),
-    "top1_min": ("same_top1", "min"),
-    "ppl_ratio_max": ("ppl_ratio", "max"),
-    "golden_exact_min": ("golden_exact", "min"),
-}
+from toolchain.text import tokenize
 
 
 class EngineSession:
@@ -42,7 +37,7 @@ class EngineSession:
         self.tpb = engine.tokens_per_block
 
     def _blocks(self, length: int) -> int:
-        return -(-length // self.tpb)
+        return blocks_for(length, self.tpb)
 
     def all_logits(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [batch, seq] -> logits [batch, seq, vocab] (float32), each row a sequence of its own."""
@@ -109,17 +104,7 @@ class Reference:
 
 
 def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
-    results = []
-    for gate, limit in gates.items():
-        if gate not in GATES:
-            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
-        metric, direction = GATES[gate]
-        value = metrics.get(metric)
-        if value is None:
-            raise UserError(f"gate {gate} needs {metric}, which this evaluation did not compute (golden prompts?)")
-        ok = value <= limit if direction == "max" else value >= limit
-        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
-    return results
+    return check(gates, metrics, EVAL, missing="this evaluation did not compute (golden prompts?)")
 
 
 def evaluate_engine(
@@ -176,21 +161,19 @@ def evaluate_engine(
 def built(engine_dir: Path) -> dict[str, Any]:
     """What the engine is, from its build_config.json and manifest: method, group size, KV cache dtype, backend,
     the manifest's sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
-    from toolchain.engine.build import read_build_config
-    from toolchain.quantize.methods.registry import by_algo
 
-    config = read_build_config(engine_dir)
-    algo = config["quantization"].get("quant_algo")
-    grouped = by_algo(algo, str(engine_dir / "build_config.json")) if algo else None
-    compat = config.get("compatibility") or {}
+    spec = EngineSpec.from_dir(engine_dir)
+    algo = spec.quantization.get("quant_algo")
+    grouped = by_algo(algo, str(engine_dir / BUILD_CONFIG)) if algo else None
+    compat = spec.compatibility or {}
     has_manifest = (engine_dir / MANIFEST_NAME).is_file()
     tool = read_manifest(engine_dir).get("toolchain", {}) if has_manifest else {}
     return {
         "method": algo,  # None: unquantized
-        "group_size": config["quantization"].get("group_size") if grouped and grouped.grouped else None,
-        "kv_cache": config["kv_cache"]["dtype"],
-        "dtype": config["dtype"],
-        "backend": config["backend"],
+        "group_size": spec.quantization.get("group_size") if grouped and grouped.grouped else None,
+        "kv_cache": spec.kv_cache.dtype,
+        "dtype": spec.dtype,
+        "backend": spec.backend,
         "engine_manifest_sha256": sha256_file(engine_dir / MANIFEST_NAME) if has_manifest else None,
         "trtbuild_version": tool.get("version"),
         "git_commit": tool.get("git_commit"),
@@ -198,7 +181,7 @@ def built(engine_dir: Path) -> dict[str, Any]:
         "tensorrt": compat.get("tensorrt"),
         "gpu": compat.get("gpu"),
         "sm": compat.get("sm"),
-        "onnxruntime": config.get("onnxruntime"),
+        "onnxruntime": spec.onnxruntime,
     }
 
 
@@ -215,12 +198,9 @@ def evaluated_with(backend: str) -> dict[str, Any]:
     }
 
 
-def _histogram(kld: torch.Tensor, bins: int = 24) -> dict[str, list[float]]:
-    """Counts over log10-spaced bins from 1e-6 to the maximum (KLD spans decades)."""
-    top = max(float(kld.max()), 1e-5)
-    edges = torch.logspace(-6, float(np.log10(top)) + 1e-9, bins + 1, dtype=torch.float64)
-    counts = torch.histc(kld.clamp(1e-6, top).log10(), bins=bins, min=-6, max=float(np.log10(top)) + 1e-9)
-    return {"edges": edges.tolist(), "counts": counts.tolist()}
+def _histogram(kld: torch.Tensor) -> dict[str, list[float]]:
+    edges, (counts,) = kld_histogram([kld])
+    return {"edges": edges, "counts": counts}
 
 
 def run_eval(
@@ -238,19 +218,14 @@ def run_eval(
 ) -> dict[str, Any]:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.engine.api import BUILD_CONFIG, open_trusted, trusted_spec
 
     spec = trusted_spec(engine_dir)  # an engine dir that is what its manifest says, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
     for gate, limit in (gates or {}).items():  # everything a user can get wrong, before any work
-        if gate not in GATES:
-            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
-        if not math.isfinite(limit) or limit < 0 or (GATES[gate][1] == "min" and limit > 1):
-            raise UserError(f"gate {gate}={limit}: expected a finite value >= 0 (and <= 1 for a fraction)")
-        if gate == "golden_exact_min" and golden is None:
-            raise UserError("gate golden_exact_min needs golden prompts: pass --golden PROMPTS.jsonl")
+        if check_limit(gate, limit, EVAL).needs == "--golden" and golden is None:
+            raise UserError(f"gate {gate} needs golden prompts: pass --golden PROMPTS.jsonl")
     if golden is not None:
         tok = load_tokenizer(engine_dir)
         for item in read_golden(golden):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from toolchain.evaluate.golden import LEGEND, readable
-from toolchain.evaluate.quality import QualityReport
+from toolchain.quality import QualityReport
 
 
 def write_reports(result: dict[str, Any], out_dir: Path) -> list[Path]:

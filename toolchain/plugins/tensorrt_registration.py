@@ -5,7 +5,7 @@ Imported by toolchain/engine/tensorrt_backend.py before the ONNX parser meets th
 `trtbuild::PagedAttention` nodes. Kernel names, grids and scalar arguments come from launch.py (tested without
 TensorRT); the PTX from `trtbuild plugins compile` for the SM TensorRT builds for. A graph omits q_scaling at 1.0
 (AttentionAttrs.to_attributes) and tensorrt.plugin has no default field values: TensorRT must parse the graph as
-onnx_fields.complete_plugin_fields returns it.
+engine/onnx_fields.complete_plugin_fields returns it.
 
 Not yet run: no machine of this project has had TensorRT (docs/kernels.md).
 """

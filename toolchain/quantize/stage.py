@@ -39,9 +39,8 @@ from toolchain.checkpoint.trtllm import (
     write_config,
 )
 from toolchain.errors import UserError
-from toolchain.evaluate.quality import QualityReport, compare
-from toolchain.evaluate.text import tokenize
 from toolchain.manifest import StageRecord, sha256_file
+from toolchain.quality import QualityReport, compare
 from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, sample_windows
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
@@ -50,6 +49,7 @@ from toolchain.quantize.methods.registry import KV_CACHES, method
 from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable
 from toolchain.quantize.smoothquant import Alpha
 from toolchain.reference.model import ReferenceModel
+from toolchain.text import tokenize
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from toolchain.errors import UserError, read_utf8
+from toolchain.files import check_tokenizer_dir
 
 _MARGIN = 64
 
@@ -36,8 +37,6 @@ def read_text(path: Path) -> str:
 def tokenize(path: Path, tokenizer_dir: Path, max_tokens: int | None = None) -> torch.Tensor:
     """Token ids of the whole file (1-D int64), cut to `max_tokens`."""
     from transformers import AutoTokenizer
-
-    from toolchain.files import check_tokenizer_dir
 
     check_tokenizer_dir(tokenizer_dir)  # no FIFO or /dev/zero handed to transformers
     try:

@@ -15,7 +15,6 @@ Both directions are valid (diff NEW OLD is the rollback's view): every metric is
 
 from __future__ import annotations
 
-import math
 import os
 import statistics
 from collections.abc import Callable
@@ -26,35 +25,22 @@ from typing import Any
 import torch
 
 from toolchain import console
-from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, open_trusted, trusted_spec
+from toolchain.atomic import atomic_dir, check_output_dir
+from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
 from toolchain.errors import UserError
+from toolchain.evaluate.diff_report import write_reports
+from toolchain.evaluate.engine_eval import EngineSession, Reference
+from toolchain.evaluate.gates import DIFF, check, check_limit
+from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
+from toolchain.quality import kld_histogram, summarize, token_stats
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.registry import by_algo
+from toolchain.recipe import STAGE_DIRS
+from toolchain.runtime.replay import replay
+from toolchain.runtime.traces import load_trace
+from toolchain.text import tokenize
 
-STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine"}  # as pipeline.STAGE_DIRS
-
-GATES = {  # gate -> (metric, direction): the metric must stay <= (max) or >= (min) the limit
-    "kld_vs_old_max": ("kld_mean", "max"),
-    "kld_p99_vs_old_max": ("kld_p99", "max"),
-    "top1_vs_old_min": ("same_top1", "min"),
-    "ppl_ratio_vs_old_max": ("ppl_ratio", "max"),
-    "golden_same_min": ("golden_same", "min"),
-    "throughput_ratio_min": ("throughput_ratio", "min"),
-    "ttft_p90_ratio_max": ("ttft_p90_ratio", "max"),
-    "tpot_p90_ratio_max": ("tpot_p90_ratio", "max"),
-}
-_NEEDS = {  # metric -> the option that makes diff compute it
-    "kld_mean": "--data",
-    "kld_p99": "--data",
-    "same_top1": "--data",
-    "ppl_ratio": "--data",
-    "golden_same": "--golden",
-    "throughput_ratio": "--trace",
-    "ttft_p90_ratio": "--trace",
-    "tpot_p90_ratio": "--trace",
-}
-FRACTIONS = ("same_top1", "golden_same")
 IGNORED_RECIPE_KEYS = ("output",)  # where a build was written is not what was built
 
 
@@ -81,11 +67,11 @@ class Side:
     kind: str  # run | engine
     engine_dir: Path
     manifests: dict[str, dict[str, Any]]  # stage -> manifest (convert, quantize, build; run for a run dir)
+    spec: EngineSpec  # its build_config.json, checked against its manifest
 
     @property
     def build_config(self) -> dict[str, Any]:
-        config: dict[str, Any] = self.manifests["build"]["details"].get("build_config") or {}
-        return config
+        return self.spec.to_config()
 
     @property
     def recipe(self) -> dict[str, Any] | None:
@@ -123,7 +109,7 @@ def load_side(path: Path, label: str) -> Side:
         )
     if kind == "run":
         read_manifest(path)  # a run dir without its own manifest was not finished
-    trusted_spec(engine_dir)  # every fact below comes from its manifest: the bytes must be the ones it records
+    spec = trusted_spec(engine_dir)  # the facts below come from it and the manifests: the bytes must be as recorded
     manifests = {"build": read_manifest(engine_dir)}
     run_dir = path if kind == "run" else _enclosing_run(engine_dir)
     if run_dir is not None:
@@ -133,7 +119,7 @@ def load_side(path: Path, label: str) -> Side:
                 manifests[stage] = read_manifest(run_dir / STAGE_DIRS[stage])
     else:
         manifests.update(_upstream(manifests["build"], engine_dir))
-    return Side(label, path, kind, engine_dir, manifests)
+    return Side(label, path, kind, engine_dir, manifests, spec)
 
 
 def _enclosing_run(engine_dir: Path) -> Path | None:
@@ -334,7 +320,6 @@ def quality_refusal(old: Side, new: Side) -> str | None:
 
 
 def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Tensor | None, str | None]:
-    from toolchain.evaluate.text import tokenize
 
     a = tokenize(data, old.engine_dir, max_tokens=max_tokens)
     b = tokenize(data, new.engine_dir, max_tokens=max_tokens)
@@ -346,8 +331,6 @@ def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Te
 def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, reference: Path | None) -> dict[str, Any]:
     """NEW against OLD on every window of `tokens` (OLD plays the reference: KL(P_old || P_new), PPL new/old),
     and each against the reference model when given. Each model scores each window once."""
-    from toolchain.evaluate.engine_eval import EngineSession, Reference
-    from toolchain.evaluate.quality import summarize, token_stats
 
     sessions = (EngineSession(old), EngineSession(new))
     ref = Reference(reference) if reference is not None else None
@@ -379,23 +362,14 @@ def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, referen
     return result
 
 
-def _histograms(klds: dict[str, torch.Tensor], bins: int = 24) -> dict[str, Any]:
-    """Counts over shared log10-spaced bins from 1e-6 to the largest KLD of all, so the series sit side by side."""
-    top = max(max(float(k.max()) for k in klds.values()), 1e-5)
-    hi = math.log10(top) + 1e-9
-    edges = torch.logspace(-6, hi, bins + 1, dtype=torch.float64).tolist()
-    counts = {
-        name: torch.histc(k.clamp(1e-6, top).log10(), bins=bins, min=-6, max=hi).tolist() for name, k in klds.items()
-    }
-    return {"edges": edges, "counts": counts}
+def _histograms(klds: dict[str, torch.Tensor]) -> dict[str, Any]:
+    edges, counts = kld_histogram(list(klds.values()))
+    return {"edges": edges, "counts": dict(zip(klds, counts, strict=True))}
 
 
 def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] | None, str | None]:
     """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does.
     (None, why) when the two tokenizers make different prompts."""
-    from toolchain.engine.api import load_tokenizer
-    from toolchain.evaluate.engine_eval import EngineSession
-    from toolchain.evaluate.golden import TokenBytes, read_golden
 
     items = read_golden(path)
     toks = [load_tokenizer(e.spec.engine_dir) for e in (old, new)]
@@ -433,8 +407,6 @@ def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] |
 def speed(old: Engine, new: Engine, trace: Path, opts: DiffOptions) -> dict[str, Any]:
     """Both engines replay the same trace slice (lengths fitted to the smaller engine) in `rounds` interleaved
     rounds, the order alternating, after one warm-up each; per engine the median of the rounds."""
-    from toolchain.runtime.replay import replay
-    from toolchain.runtime.traces import load_trace
 
     engines = {"old": old, "new": new}
     max_seq = min(e.spec.limits.max_seq_len for e in engines.values())
@@ -494,24 +466,14 @@ def check_gate_names(gates: dict[str, float], opts: DiffOptions, have_data: bool
     """Everything a user can get wrong about gates, before any work."""
     available = {"--data": have_data, "--golden": opts.golden is not None, "--trace": opts.trace is not None}
     for gate, limit in gates.items():
-        if gate not in GATES:
-            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(GATES)}")
-        metric, _ = GATES[gate]
-        if not math.isfinite(limit) or limit < 0 or (metric in FRACTIONS and limit > 1):
-            raise UserError(f"gate {gate}={limit}: expected a finite value >= 0 (and <= 1 for a fraction)")
-        if opts.changes_only or not available[_NEEDS[metric]]:
-            why = "--changes-only runs no model" if opts.changes_only else f"pass {_NEEDS[metric]}"
-            raise UserError(f"gate {gate} needs {metric}, which this diff would not compute; {why}")
+        needs = check_limit(gate, limit, DIFF).needs
+        if opts.changes_only or not available[needs]:
+            why = "--changes-only runs no model" if opts.changes_only else f"pass {needs}"
+            raise UserError(f"gate {gate} needs {DIFF[gate].metric}, which this diff would not compute; {why}")
 
 
 def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
-    results = []
-    for gate, limit in gates.items():
-        metric, direction = GATES[gate]
-        value = metrics.get(metric)
-        ok = value is not None and (value <= limit if direction == "max" else value >= limit)
-        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
-    return results
+    return check(gates, metrics, DIFF)
 
 
 def default_data(old: Side, new: Side) -> Path | None:
@@ -592,7 +554,7 @@ def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, resu
     if data is None and opts.golden is None and opts.trace is None:
         return  # nothing asked of the models: the change table is the whole diff
     # both were checked against their manifests in load_side: opened here without hashing them again
-    engines = open_trusted(EngineSpec.from_dir(old.engine_dir)), open_trusted(EngineSpec.from_dir(new.engine_dir))
+    engines = open_trusted(old.spec), open_trusted(new.spec)
     refusal = result["quality_refused"]  # two different models; the speed of those is still comparable
     if refusal is None and data is not None:
         tokens, refusal = _tokens(data, old, new, opts.max_tokens)
@@ -626,8 +588,6 @@ def run_diff(
 ) -> dict[str, Any]:
     """`diff`, then report.json / .md / .html and a manifest in `out_dir` (atomically) when given. `new_label`:
     where NEW's engine will live, when it is still being written elsewhere (a recipe run)."""
-    from toolchain.atomic import atomic_dir, check_output_dir
-    from toolchain.evaluate.diff_report import write_reports
 
     if out_dir is not None:
         check_output_dir(out_dir, force, inputs=(old_dir, new_dir))
@@ -659,7 +619,7 @@ def run_diff(
 
 
 def _recipe_gates(section: Any) -> tuple[tuple[str, float], ...]:
-    return tuple((k, v) for k, v in section.gates.model_dump().items() if v is not None and k in GATES)
+    return tuple((k, v) for k, v in section.gates.model_dump().items() if v is not None and k in DIFF)
 
 
 def baseline_settings(section: Any) -> dict[str, Any] | None:

@@ -7,10 +7,11 @@ plus perplexity of both and their ratio.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids [batch, seq] -> logits [batch, seq, vocab]
@@ -106,3 +107,12 @@ def summarize(stats: dict[str, torch.Tensor]) -> QualityReport:
 def compare(reference: LogitsFn, variant: LogitsFn, tokens: torch.Tensor, window: int, batch: int = 8) -> QualityReport:
     """Score every token but the first of each non-overlapping `window`-token slice of `tokens`."""
     return summarize(collect(reference, variant, tokens, window, batch))
+
+
+def kld_histogram(klds: Sequence[torch.Tensor], bins: int = 24) -> tuple[list[float], list[list[float]]]:
+    """Counts of each series over shared log10-spaced bins from 1e-6 to the largest KLD of all (KLD spans decades;
+    shared bins let series sit side by side). -> (edges [bins + 1], counts [series][bins])."""
+    top = max(max(float(k.max()) for k in klds), 1e-5)
+    hi = float(np.log10(top)) + 1e-9
+    edges = torch.logspace(-6, hi, bins + 1, dtype=torch.float64).tolist()
+    return edges, [torch.histc(k.clamp(1e-6, top).log10(), bins=bins, min=-6, max=hi).tolist() for k in klds]

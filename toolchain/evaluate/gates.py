@@ -1,0 +1,74 @@
+"""Gates: a metric's limit that, when crossed, makes `eval`, `diff` or a recipe run exit 3 (a regression, not an
+error). Both tables and the one checker live here: `eval` gates an engine against the reference model, `diff` gates
+NEW against OLD; a recipe's `eval.gates` holds gates of both (the `*_vs_old` and `golden_same_min` ones run as its
+diff stage)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from toolchain.errors import UserError
+
+FRACTIONS = ("same_top1", "golden_same", "golden_exact")  # metrics in [0, 1]: a limit above 1 is a typo
+
+
+@dataclass(frozen=True)
+class Gate:
+    metric: str
+    direction: str  # max: the metric must stay <= the limit; min: >= the limit
+    needs: str  # the option that makes the command compute the metric
+
+    def passes(self, value: float | None, limit: float) -> bool:
+        return value is not None and (value <= limit if self.direction == "max" else value >= limit)
+
+
+EVAL: dict[str, Gate] = {  # `trtbuild eval --gate`: the engine against the reference model
+    "kld_mean_max": Gate("kld_mean", "max", "--data"),
+    "top1_min": Gate("same_top1", "min", "--data"),
+    "ppl_ratio_max": Gate("ppl_ratio", "max", "--data"),
+    "golden_exact_min": Gate("golden_exact", "min", "--golden"),
+}
+DIFF: dict[str, Gate] = {  # `trtbuild diff --gate`: NEW against OLD
+    "kld_vs_old_max": Gate("kld_mean", "max", "--data"),
+    "kld_p99_vs_old_max": Gate("kld_p99", "max", "--data"),
+    "top1_vs_old_min": Gate("same_top1", "min", "--data"),
+    "ppl_ratio_vs_old_max": Gate("ppl_ratio", "max", "--data"),
+    "golden_same_min": Gate("golden_same", "min", "--golden"),
+    "throughput_ratio_min": Gate("throughput_ratio", "min", "--trace"),
+    "ttft_p90_ratio_max": Gate("ttft_p90_ratio", "max", "--trace"),
+    "tpot_p90_ratio_max": Gate("tpot_p90_ratio", "max", "--trace"),
+}
+
+
+def check_limit(gate: str, limit: float, table: Mapping[str, Gate]) -> Gate:
+    """The gate named `gate` in `table`, its limit checked: one line naming the fix otherwise."""
+    if gate not in table:
+        raise UserError(f"unknown gate {gate!r}; choose from {', '.join(table)}")
+    found = table[gate]
+    if not math.isfinite(limit) or limit < 0 or (found.metric in FRACTIONS and limit > 1):
+        raise UserError(f"gate {gate}={limit}: expected a finite value >= 0 (and <= 1 for a fraction)")
+    return found
+
+
+def check(
+    gates: Mapping[str, float],
+    metrics: Mapping[str, float | None],
+    table: Mapping[str, Gate],
+    missing: str | None = None,
+) -> list[dict[str, Any]]:
+    """One result per gate: {gate, metric, limit, value, pass}. A metric that was not computed fails its gate, or,
+    with `missing` (why it would be absent), is an error."""
+    results = []
+    for gate, limit in gates.items():
+        if gate not in table:
+            raise UserError(f"unknown gate {gate!r}; choose from {', '.join(table)}")
+        metric = table[gate].metric
+        value = metrics.get(metric)
+        if value is None and missing is not None:
+            raise UserError(f"gate {gate} needs {metric}, which {missing}")
+        ok = table[gate].passes(value, limit)
+        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
+    return results
