@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from toolchain.engine.geometry import blocks_for
+
 if TYPE_CHECKING:
     from toolchain.runtime.request import Request
 
@@ -73,8 +75,8 @@ class BlockManager:
         return self.num_blocks - len(self.free_list)
 
     def blocks_for(self, tokens: int) -> int:
-        """Blocks that hold `tokens` tokens."""
-        return -(-tokens // self.tokens_per_block)
+        """Blocks that hold `tokens` tokens (geometry.blocks_for at this pool's block size)."""
+        return blocks_for(tokens, self.tokens_per_block)
 
     # -- blocks -------------------------------------------------------------------------------------------------
     def can_allocate(self, n: int, keep_watermark: bool = True) -> bool:
