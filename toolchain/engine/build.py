@@ -26,6 +26,7 @@ from toolchain.engine import tensorrt_backend
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, Limits
 from toolchain.engine.contract import CONTRACT_VERSION
 from toolchain.engine.export import export_model, save_model
+from toolchain.engine.results import BuildResult
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
 from toolchain.manifest import StageRecord, package_version
@@ -107,7 +108,7 @@ def build_engine(
     force: bool = False,
     record: StageRecord | None = None,
     tokenizer: Path | None = None,
-) -> dict[str, Any]:
+) -> BuildResult:
     cfg = read_config(checkpoint)
     if cfg.mapping.world_size != 1:
         raise UserError(
@@ -176,14 +177,7 @@ def build_engine(
         (tmp / BUILD_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
         record.details.update(build_config=config)
         manifest = record.write(tmp)
-    return {
-        "engine_dir": str(out_dir.resolve()),
-        "backend": backend,
-        "dtype": config["dtype"],
-        "limits": config["limits"],
-        "outputs": manifest["outputs"],
-        "wall_time_s": manifest["wall_time_s"],
-    }
+    return BuildResult.of(out_dir, config, manifest)
 
 
 def read_build_config(engine_dir: Path) -> dict[str, Any]:
