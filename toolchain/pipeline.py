@@ -32,6 +32,7 @@ from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.engine.results import BuildResult
 from toolchain.errors import UserError
 from toolchain.evaluate.engine_eval import run_eval
+from toolchain.evaluate.results import PLOTS as EVAL_PLOTS
 from toolchain.evaluate.results import EvalResult
 from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
@@ -141,7 +142,7 @@ def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, 
 
 
 # what a stage's summary in the run leaves out of its result: eval's plots and report dir (the run has its own)
-SUMMARY_LEFT_OUT = ("kld_histogram", "top1_by_position", "report_dir")
+SUMMARY_LEFT_OUT = (*EVAL_PLOTS, "report_dir")
 
 
 class _StageResult(Protocol):
