@@ -81,7 +81,7 @@ def main() -> None:
                     "group": group if opts.quant_method.grouped else None,
                     "kv_cache": kv,
                     "seconds": time.perf_counter() - start,
-                    **r["quality"],
+                    **r.to_json()["quality"],
                 }
             )
         for r in rows if peer else []:  # ModelOpt's run on each row's spec, same windows and tokens

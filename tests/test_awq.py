@@ -171,7 +171,7 @@ def test_awq_beats_round_to_nearest_on_held_out_raw_text(stories_ckpt: Path, tmp
     for method in ("w4a16", "w4a16_awq"):
         opts = QuantizeOptions(method, group_size=64, calib_data=WIKI / "valid.txt", calib_samples=32)
         r = quantize_checkpoint(stories_ckpt, tmp_path / method, opts, WIKI / "wiki.test.raw", eval_tokens=4096)
-        quality[method] = r["quality"]
+        quality[method] = r.to_json()["quality"]
     assert quality["w4a16_awq"]["kld_mean"] < 0.85 * quality["w4a16"]["kld_mean"]
     assert quality["w4a16_awq"]["ppl_ratio"] < quality["w4a16"]["ppl_ratio"]
     w = load_file(str(tmp_path / "w4a16_awq" / "rank0.safetensors"))  # K = 172: scales for every input channel

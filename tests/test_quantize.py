@@ -58,7 +58,7 @@ def test_fp8_and_kv_cache_calibration(stories_ckpt: Path, tmp_path: Path) -> Non
     act = w["transformer.layers.0.mlp.fc.activation_scaling_factor"]
     kv = w["transformer.layers.4.attention.kv_cache_scaling_factor"]
     assert act.shape == (1,) and kv.shape == (1,) and act.item() > 0 and kv.item() > 0
-    assert r["calibration"]["samples"] == 4 and len(r["calibration"]["sha256"]) == 64
+    assert r.calibration and r.calibration["samples"] == 4 and len(r.calibration["sha256"]) == 64
     q = read_config(tmp_path / "fp8").quantization
     assert q.quant_algo == "FP8" and q.kv_cache_quant_algo == "INT8"
     logits = load_quantized(tmp_path / "fp8").forward(torch.arange(40)[None])

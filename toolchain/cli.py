@@ -171,17 +171,7 @@ def convert(
         r = run_convert(
             model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle, tp=tp, pp=pp, workers=workers
         )
-    _emit(
-        r,
-        json_out,
-        [
-            f"converted {r['architecture']} -> {r['output_dir']}",
-            f"  dtype {r['dtype']}, tp={r['tp_size']} pp={r['pp_size']}, {r['num_tensors']} tensors, "
-            f"{r['num_parameters']:,} parameters, "
-            f"{r['wall_time_s']:.2f} s",
-            *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in r["outputs"]),
-        ],
-    )
+    _emit(r.to_json(), json_out, r.lines())
 
 
 # the quantization registry's names (toolchain/quantize/methods/__init__.py: no torch at CLI start-up)
@@ -241,16 +231,7 @@ def quantize(
             parse_sq_alpha(sq_alpha),
         )
         r = quantize_checkpoint(checkpoint, output, opts, eval_data, eval_tokens, force)
-    lines = [
-        f"quantized -> {r['output_dir']}",
-        f"  {r['quant_algo']} (group {r['group_size']}), kv cache {r['kv_cache_quant_algo'] or 'unquantized'}, "
-        f"{r['quantized_modules']} modules, {r['wall_time_s']:.2f} s",
-    ]
-    if r["quality"]:
-        from toolchain.quality import QualityReport
-
-        lines += ["  " + line for line in QualityReport(**r["quality"]).lines()]
-    _emit(r, json_out, lines)
+    _emit(r.to_json(), json_out, r.lines())
 
 
 Backend = Enum("Backend", {name: name for name in BACKEND_CHOICES}, type=str)  # type: ignore[misc]
@@ -289,17 +270,7 @@ def build(
     with _handled():
         opts = BuildOptions(backend.value, max_batch_size, max_num_tokens, max_seq_len, tokens_per_block)
         r = build_engine(checkpoint, output, opts, force, tokenizer=tokenizer)
-    limits = r["limits"]
-    _emit(
-        r,
-        json_out,
-        [
-            f"built -> {r['engine_dir']}",
-            f"  backend {r['backend']}, {r['dtype']}, batch <= {limits['max_batch_size']}, tokens/call <= "
-            f"{limits['max_num_tokens']}, seq <= {limits['max_seq_len']}, {limits['tokens_per_block']} tokens/block",
-            f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s",
-        ],
-    )
+    _emit(r.to_json(), json_out, r.lines())
 
 
 def _parse_gates(items: list[str]) -> dict[str, float]:
@@ -349,7 +320,6 @@ def eval_(
     from toolchain.engine.api import trusted_spec
     from toolchain.engine.build import require_tokenizer
     from toolchain.evaluate.engine_eval import run_eval
-    from toolchain.evaluate.report import summary_lines
     from toolchain.pipeline import default_report_dir
 
     with _handled():
@@ -360,11 +330,8 @@ def eval_(
         r = run_eval(
             engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force
         )
-    lines = [f"report -> {r['report_dir']} (report.md, report.html, report.json)"]
-    lines += ["  " + line for line in summary_lines(r)]
-    slim = {k: v for k, v in r.items() if k not in ("kld_histogram", "top1_by_position")}
-    _emit(slim, json_out, lines)
-    if not r["passed"]:
+    _emit(r.to_json(plots=False), json_out, r.lines())
+    if not r.passed:
         console.err.print("quality regression: a gate failed (exit 3)", markup=False)
         raise typer.Exit(3)
 
@@ -476,36 +443,10 @@ def run(
     with _handled():
         loaded = load_recipe(recipe, set_ or [])
         r = run_recipe(loaded, output, force=force)
-    lines = [f"ran {r['recipe']} -> {r['output_dir']}", f"  recipe sha256 {r['recipe_sha256']}"]
-    for name, stage in r["stages"].items():
-        lines.append(f"  {name:<9}{' (unchanged, reused)' if stage.get('cached') else ''}{_stage_line(name, stage)}")
-    if r["stages"].get("eval", {}).get("quality"):
-        from toolchain.evaluate.report import summary_lines
-
-        lines += ["    " + line for line in summary_lines(r["stages"]["eval"])]
-    lines.append(f"  {len(r['outputs'])} files, {sum(e['size'] for e in r['outputs']):,} B, {r['wall_time_s']:.2f} s")
-    _emit(r, json_out, lines)
-    if not r["passed"]:
+    _emit(r.to_json(), json_out, r.lines())
+    if not r.passed:
         console.err.print("quality regression: a gate failed (exit 3)", markup=False)
         raise typer.Exit(3)
-
-
-def _stage_line(name: str, s: dict[str, Any]) -> str:
-    if name == "convert":
-        return f" {s.get('architecture')}, {s.get('dtype')}, {s.get('num_parameters', 0):,} parameters"
-    if name == "quantize":
-        return f" {s.get('quant_algo')}, kv cache {s.get('kv_cache_quant_algo') or 'unquantized'}"
-    if name == "build":
-        return f" backend {s.get('backend')}, {s.get('dtype')}"
-    if name == "eval":
-        q = s.get("quality") or {}
-        return f" mean KLD {q.get('kld_mean', float('nan')):.6f}, {'PASS' if s.get('passed') else 'REGRESSION'}"
-    if name == "diff":
-        q = (s.get("quality") or {}).get("new_vs_old") or {}
-        failed = [g["gate"] for g in s.get("gates", []) if not g["pass"]]
-        verdict = f"REGRESSION ({', '.join(failed)})" if failed else "PASS"
-        return f" vs {s.get('baseline')}: mean KLD vs baseline {q.get('kld_mean', float('nan')):.6f}, {verdict}"
-    return ""
 
 
 @app.command(
@@ -720,15 +661,11 @@ def diff_(
 ) -> None:
     """What changed between two engines (weights, recipe, quantization, limits, backend, versions), what it cost
     in quality (NEW vs OLD: KLD, top-1, PPL; golden prompts) and speed (trace replay), with gates (exit 3)."""
-    from toolchain.evaluate.diff import DiffOptions, run_diff
-    from toolchain.evaluate.diff_report import change_lines, summary_line
+    from toolchain.evaluate.diff import DiffOptions, DiffResult, run_diff
 
-    def show_changes(r: dict[str, Any]) -> None:
-        if json_out:
-            return
-        lines = [f"diff {old} -> {new}", f"  {summary_line(r)}"]
-        lines += [f"  {s:<13}{k:<32} {a} -> {b}" for s, k, a, b in change_lines(r)]
-        typer.echo("\n".join(lines))
+    def show_changes(r: DiffResult) -> None:
+        if not json_out:
+            typer.echo("\n".join(r.change_lines(old, new)))
 
     with _handled():
         opts = DiffOptions(
@@ -736,42 +673,13 @@ def diff_(
             tuple(_parse_gates(gate or []).items()), changes_only,
         )  # fmt: skip
         r = run_diff(old, new, opts, output, force, on_changes=show_changes)
-    plots = ("kld_histogram", "top1_by_position")  # in report.json; too long for a terminal
-    slim = {**r, "quality": r["quality"] and {k: v for k, v in r["quality"].items() if k not in plots}}
-    _emit(slim, json_out, _diff_lines(r))
-    if r["quality_refused"]:
-        console.err.print(f"error: quality comparison refused: {r['quality_refused']}", markup=False)
+    _emit(r.to_json(plots=False), json_out, r.lines())
+    if r.quality_refused:
+        console.err.print(f"error: quality comparison refused: {r.quality_refused}", markup=False)
         raise typer.Exit(1)
-    if not r["passed"]:
+    if not r.passed:
         console.err.print("release regression: a diff gate failed (exit 3)", markup=False)
         raise typer.Exit(3)
-
-
-def _diff_lines(r: dict[str, Any]) -> list[str]:
-    from toolchain.evaluate.diff_report import quality_rows, speed_rows
-
-    lines = []
-    if r["quality"] is not None:
-        lines.append(f"  quality on {r['quality']['new_vs_old']['tokens']:,} tokens of {r['data']}")
-        lines += [f"    {k:<36} {v}" for k, v in quality_rows(r["quality"])]
-    if r["golden"] is not None:
-        lines.append(f"  golden prompts: {sum(g['same'] for g in r['golden'])} of {len(r['golden'])} unchanged")
-        lines += [
-            f"    changed at token {g['first_divergence']}: {g['prompt']!r}" for g in r["golden"] if not g["same"]
-        ]
-    if r["speed"] is not None:
-        s = r["speed"]
-        lines.append(f"  speed: {s['requests']} requests of {Path(s['trace']).name}, {s['rounds']} interleaved rounds")
-        lines.append(f"    {'':<14}{'OLD':>10}{'NEW':>10}{'NEW/OLD':>10}")
-        lines += [f"    {a:<14}{b:>10}{c:>10}{d:>10}" for a, b, c, d in speed_rows(s)]
-    lines += [
-        f"  gate {g['gate']:<21} {'-' if g['value'] is None else format(g['value'], '.6g')} vs {g['limit']:g}: "
-        f"{'pass' if g['pass'] else 'FAIL'}"
-        for g in r["gates"]
-    ]
-    if r.get("report_dir"):
-        lines.append(f"  report -> {r['report_dir']} (report.md, report.html, report.json)")
-    return lines
 
 
 plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)

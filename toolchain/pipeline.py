@@ -19,19 +19,24 @@ import json
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from toolchain import __version__, console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.convert import ConvertResult, convert
 from toolchain.engine.build import BuildOptions, build_engine
+from toolchain.engine.results import BuildResult
 from toolchain.errors import UserError
 from toolchain.evaluate.diff import baseline_settings, baseline_stage
 from toolchain.evaluate.engine_eval import run_eval
 from toolchain.evaluate.gates import DIFF as DIFF_GATES
+from toolchain.evaluate.results import PLOTS as EVAL_PLOTS
+from toolchain.evaluate.results import EvalResult
 from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
+from toolchain.quantize.results import QuantizeResult
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import STAGE_DIRS, LoadedRecipe, Recipe
 
@@ -92,7 +97,7 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         keys["eval"] = _digest(upstream, settings, inputs)
         diff_settings = baseline_settings(e)  # the diff against the released engine: by its manifest, not its path
         if diff_settings is not None:
-            keys["diff"] = _digest(upstream, diff_settings, inputs)
+            keys["diff"] = _digest(upstream, diff_settings.to_json(), inputs)
     return keys
 
 
@@ -133,7 +138,66 @@ def _reuse(previous: Path | None, stage: str, key: str, tmp: Path) -> dict[str, 
     return {**summary, "cached": True}
 
 
-def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> dict[str, Any]:
+# what a stage's summary in the run leaves out of its result: eval's plots and report dir (the run has its own)
+SUMMARY_LEFT_OUT = (*EVAL_PLOTS, "report_dir")
+
+
+class _StageResult(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """What `trtbuild run` did: each stage's summary (as its manifest keeps it: a reused stage reports what it did
+    when it ran), which stages ran again, whether the gates passed, and the run's own files."""
+
+    output_dir: str
+    recipe: str
+    recipe_sha256: str
+    stages: dict[str, dict[str, Any]]  # stage -> its result's JSON less its files; "cached": True when reused
+    rerun: list[str]
+    passed: bool
+    outputs: list[dict[str, Any]]  # the run manifest's file entries: path, size, sha256
+    warnings: list[str]
+    wall_time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        lines = [f"ran {self.recipe} -> {self.output_dir}", f"  recipe sha256 {self.recipe_sha256}"]
+        for name, stage in self.stages.items():
+            reused = " (unchanged, reused)" if stage.get("cached") else ""
+            lines.append(f"  {name:<9}{reused}{_stage_line(name, stage)}")
+        if self.stages.get("eval", {}).get("quality"):
+            from toolchain.evaluate.report import summary_lines
+
+            lines += ["    " + line for line in summary_lines(self.stages["eval"])]
+        size = sum(e["size"] for e in self.outputs)
+        lines.append(f"  {len(self.outputs)} files, {size:,} B, {self.wall_time_s:.2f} s")
+        return lines
+
+
+def _stage_line(name: str, s: dict[str, Any]) -> str:
+    """One stage's summary (fresh or from a reused stage's manifest) on the line after its name."""
+    if name == "convert":
+        return f" {s.get('architecture')}, {s.get('dtype')}, {s.get('num_parameters', 0):,} parameters"
+    if name == "quantize":
+        return f" {s.get('quant_algo')}, kv cache {s.get('kv_cache_quant_algo') or 'unquantized'}"
+    if name == "build":
+        return f" backend {s.get('backend')}, {s.get('dtype')}"
+    if name == "eval":
+        q = s.get("quality") or {}
+        return f" mean KLD {q.get('kld_mean', float('nan')):.6f}, {'PASS' if s.get('passed') else 'REGRESSION'}"
+    if name == "diff":
+        q = (s.get("quality") or {}).get("new_vs_old") or {}
+        failed = [g["gate"] for g in s.get("gates", []) if not g["pass"]]
+        verdict = f"REGRESSION ({', '.join(failed)})" if failed else "PASS"
+        return f" vs {s.get('baseline')}: mean KLD vs baseline {q.get('kld_mean', float('nan')):.6f}, {verdict}"
+    return ""
+
+
+def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) -> RunResult:
     recipe = loaded.recipe
     out = out_dir or recipe.output
     if out is None:
@@ -157,7 +221,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
     with atomic_dir(out, force or previous_run, inputs=(recipe.model.path,)) as tmp:
         run = record("run", tmp)
         (tmp / "recipe.yaml").write_text(loaded.to_yaml())
-        runners: dict[str, Callable[[StageRecord], dict[str, Any]]] = {
+        runners: dict[str, Callable[[StageRecord], _StageResult]] = {
             "convert": lambda r: _convert(recipe, tmp, r),
             "quantize": lambda r: _quantize(recipe, tmp, r),
             "build": lambda r: _build(recipe, tmp, r),
@@ -172,8 +236,8 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
                 console.info(f"{stage}: unchanged (cache key {key[:12]}), reused")
                 stages[stage] = cached
                 continue
-            result = runners[stage](record(stage, tmp))
-            summary = {k: v for k, v in result.items() if k not in ("outputs", "output_dir")}
+            result = runners[stage](record(stage, tmp)).to_json()
+            summary = {k: v for k, v in result.items() if k not in ("outputs", "output_dir", *SUMMARY_LEFT_OUT)}
             stages[stage] = _final_paths(summary, tmp, out.resolve())
             _store_summary(tmp / STAGE_DIRS[stage], stages[stage])
         ran = [s for s, r in stages.items() if not r.get("cached")]
@@ -186,17 +250,17 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
         run.warnings += stages["convert"].get("warnings", [])
         manifest = run.write(tmp)
     passed = all(stages.get(stage, {}).get("passed", True) for stage in ("eval", "diff"))
-    return {
-        "output_dir": str(out.resolve()),
-        "recipe": str(loaded.path),
-        "recipe_sha256": sha,
-        "stages": stages,
-        "rerun": ran,
-        "passed": passed,
-        "outputs": manifest["outputs"],
-        "warnings": run.warnings,
-        "wall_time_s": manifest["wall_time_s"],
-    }
+    return RunResult(
+        output_dir=str(out.resolve()),
+        recipe=str(loaded.path),
+        recipe_sha256=sha,
+        stages=stages,
+        rerun=ran,
+        passed=passed,
+        outputs=manifest["outputs"],
+        warnings=run.warnings,
+        wall_time_s=manifest["wall_time_s"],
+    )
 
 
 def _final_paths(value: Any, tmp: Path, out: Path) -> Any:
@@ -219,7 +283,7 @@ def _store_summary(stage_dir: Path, summary: dict[str, Any]) -> None:
     write_manifest(stage_dir, manifest)
 
 
-def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> ConvertResult:
     return convert(
         recipe.model.path,
         tmp / STAGE_DIRS["convert"],
@@ -232,7 +296,7 @@ def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     )
 
 
-def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> QuantizeResult:
     q = recipe.quantize
     assert q is not None
     opts = QuantizeOptions(
@@ -251,7 +315,7 @@ def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     )
 
 
-def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
+def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
     b = recipe.build
     assert b is not None
     source = tmp / STAGE_DIRS["quantize" if recipe.quantize is not None else "convert"]
@@ -259,11 +323,11 @@ def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> dict[str, Any]:
     return build_engine(source, tmp / STAGE_DIRS["build"], opts, record=record)
 
 
-def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str, Any]:
+def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> EvalResult:
     e = recipe.eval
     assert e is not None
     gates = {k: v for k, v in e.gates.model_dump().items() if v is not None and k not in DIFF_GATES}
-    result = run_eval(
+    return run_eval(
         tmp / STAGE_DIRS["build"],
         tmp / STAGE_DIRS["eval"],
         recipe.model.path,
@@ -274,4 +338,3 @@ def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> dict[str
         record=record,
         engine_label=out.resolve() / STAGE_DIRS["build"],
     )
-    return {k: v for k, v in result.items() if k not in ("kld_histogram", "top1_by_position", "report_dir")}

@@ -266,6 +266,34 @@ def write_stage(
     return {path.resolve(): writer.sha256 for path, writer in zip(paths, writers, strict=True)}
 
 
+@dataclass(frozen=True)
+class ConvertResult:
+    """What `convert` wrote: the checkpoint's shape and its files as the manifest lists them."""
+
+    output_dir: str
+    architecture: str
+    dtype: str
+    tp_size: int
+    pp_size: int
+    num_tensors: int
+    num_parameters: int
+    outputs: list[dict[str, Any]]  # the manifest's file entries: path, size, sha256
+    warnings: list[str]
+    wall_time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def lines(self) -> list[str]:
+        return [
+            f"converted {self.architecture} -> {self.output_dir}",
+            f"  dtype {self.dtype}, tp={self.tp_size} pp={self.pp_size}, {self.num_tensors} tensors, "
+            f"{self.num_parameters:,} parameters, "
+            f"{self.wall_time_s:.2f} s",
+            *(f"  {e['path']}  {e['size']:,} B  sha256 {e['sha256'][:16]}" for e in self.outputs),
+        ]
+
+
 @contextmanager
 def _cancel_on_error(record: StageRecord) -> Iterator[None]:
     try:
@@ -285,7 +313,7 @@ def convert(
     pp: int = 1,
     workers: int = 1,
     record: StageRecord | None = None,
-) -> dict[str, Any]:
+) -> ConvertResult:
     """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI."""
     if workers < 1:
         raise UserError(f"--workers must be at least 1 (got {workers})")
@@ -321,15 +349,15 @@ def convert(
             model_dir=str(model_dir.resolve()),
         )
         manifest = record.write(tmp)
-    return {
-        "output_dir": str(out_dir.resolve()),
-        "architecture": plan.architecture,
-        "dtype": cfg.dtype,
-        "tp_size": tp,
-        "pp_size": pp,
-        "num_tensors": plan.num_tensors,
-        "num_parameters": record.details["num_parameters"],
-        "outputs": manifest["outputs"],
-        "warnings": record.warnings,
-        "wall_time_s": manifest["wall_time_s"],
-    }
+    return ConvertResult(
+        output_dir=str(out_dir.resolve()),
+        architecture=plan.architecture,
+        dtype=cfg.dtype,
+        tp_size=tp,
+        pp_size=pp,
+        num_tensors=plan.num_tensors,
+        num_parameters=record.details["num_parameters"],
+        outputs=manifest["outputs"],
+        warnings=record.warnings,
+        wall_time_s=manifest["wall_time_s"],
+    )

@@ -12,7 +12,6 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import onnx
 
@@ -24,6 +23,7 @@ from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, KVCacheSp
 from toolchain.engine.backends import CHOICES, choose
 from toolchain.engine.export import export_model, save_model
 from toolchain.engine.geometry import TOKENS_PER_BLOCK, blocks_for
+from toolchain.engine.results import BuildResult
 from toolchain.errors import UserError
 from toolchain.files import TOKENIZER_LIMIT, check_present
 from toolchain.manifest import StageRecord
@@ -88,7 +88,7 @@ def build_engine(
     force: bool = False,
     record: StageRecord | None = None,
     tokenizer: Path | None = None,
-) -> dict[str, Any]:
+) -> BuildResult:
     cfg = read_config(checkpoint)
     if cfg.mapping.world_size != 1:
         raise UserError(
@@ -158,11 +158,4 @@ def build_engine(
         config = spec.write(tmp)
         record.details.update(build_config=config)
         manifest = record.write(tmp)
-    return {
-        "engine_dir": str(out_dir.resolve()),
-        "backend": backend.name,
-        "dtype": config["dtype"],
-        "limits": config["limits"],
-        "outputs": manifest["outputs"],
-        "wall_time_s": manifest["wall_time_s"],
-    }
+    return BuildResult.of(out_dir, config, manifest)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from toolchain.evaluate.engine_eval import EngineSession, Reference
 from toolchain.evaluate.gates import DIFF, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
-from toolchain.quality import kld_histogram, summarize, token_stats
+from toolchain.quality import QualityReport, kld_histogram, summarize, token_stats
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.registry import by_algo
 from toolchain.recipe import STAGE_DIRS
@@ -56,6 +56,20 @@ class DiffOptions:
     rounds: int = 3
     gates: tuple[tuple[str, float], ...] = ()
     changes_only: bool = False
+
+
+@dataclass(frozen=True)
+class SideInfo:
+    """One side as the result names it: where it is, what kind of directory, which engine manifest."""
+
+    path: str
+    kind: str  # run | engine
+    engine_dir: str
+    manifest_sha256: str
+    stages: list[str]  # the stage manifests found
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -85,14 +99,14 @@ class Side:
     def manifest_sha256(self) -> str:
         return sha256_file(self.engine_dir / MANIFEST_NAME)
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "path": str(self.path.resolve()),
-            "kind": self.kind,
-            "engine_dir": str(self.engine_dir.resolve()),
-            "manifest_sha256": self.manifest_sha256,
-            "stages": sorted(self.manifests),
-        }
+    def describe(self) -> SideInfo:
+        return SideInfo(
+            path=str(self.path.resolve()),
+            kind=self.kind,
+            engine_dir=str(self.engine_dir.resolve()),
+            manifest_sha256=self.manifest_sha256,
+            stages=sorted(self.manifests),
+        )
 
 
 def load_side(path: Path, label: str) -> Side:
@@ -328,7 +342,28 @@ def _tokens(data: Path, old: Side, new: Side, max_tokens: int) -> tuple[torch.Te
     return a, None
 
 
-def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, reference: Path | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class DiffQuality:
+    """NEW scored against OLD on the same windows, and each against the reference model when one was given."""
+
+    new_vs_old: QualityReport
+    old_vs_reference: QualityReport | None
+    new_vs_reference: QualityReport | None
+    window: int
+    kld_histogram: dict[str, Any]  # shared log10 bins: edges, and counts per comparison
+    top1_by_position: dict[str, list[float]]  # per comparison
+
+    def to_json(self, plots: bool = True) -> dict[str, Any]:
+        pairs: dict[str, QualityReport | None] = {"new_vs_old": self.new_vs_old}
+        pairs.update(old_vs_reference=self.old_vs_reference, new_vs_reference=self.new_vs_reference)
+        out: dict[str, Any] = {name: q.to_dict() for name, q in pairs.items() if q is not None}
+        out["window"] = self.window
+        if plots:
+            out.update(kld_histogram=self.kld_histogram, top1_by_position=self.top1_by_position)
+        return out
+
+
+def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, reference: Path | None) -> DiffQuality:
     """NEW against OLD on every window of `tokens` (OLD plays the reference: KL(P_old || P_new), PPL new/old),
     and each against the reference model when given. Each model scores each window once."""
 
@@ -355,11 +390,15 @@ def quality(old: Engine, new: Engine, tokens: torch.Tensor, window: int, referen
                     parts.setdefault(name, {}).setdefault(key, []).append(value)
             advance(len(ids))
     stats = {name: {k: torch.cat(v) for k, v in s.items()} for name, s in parts.items()}
-    result: dict[str, Any] = {name: summarize(s).to_dict() for name, s in stats.items()}
-    result["window"] = window
-    result["kld_histogram"] = _histograms({name: s["kld"].reshape(-1) for name, s in stats.items()})
-    result["top1_by_position"] = {name: s["top1"].mean(0).tolist() for name, s in stats.items()}
-    return result
+    reports = {name: summarize(s) for name, s in stats.items()}
+    return DiffQuality(
+        reports["new_vs_old"],
+        reports.get("old_vs_reference"),
+        reports.get("new_vs_reference"),
+        window,
+        kld_histogram=_histograms({name: s["kld"].reshape(-1) for name, s in stats.items()}),
+        top1_by_position={name: s["top1"].mean(0).tolist() for name, s in stats.items()},
+    )
 
 
 def _histograms(klds: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -497,10 +536,93 @@ def load_pair(old_dir: Path, new_dir: Path) -> tuple[Side, Side]:
     return old, new
 
 
+@dataclass(frozen=True)
+class DiffResult:
+    """The whole comparison (see the module docstring): the change table, then what the models showed."""
+
+    old: SideInfo
+    new: SideInfo
+    changes: list[dict[str, Any]]  # per setting: section, key, old, new, changed (and unknown, context)
+    changed: int
+    unknown: int
+    same_build: bool
+    same_machine: bool
+    data: str | None
+    quality: DiffQuality | None = None
+    quality_refused: str | None = None  # why quality was not compared (two different models, tokenizers)
+    golden: list[dict[str, Any]] | None = None
+    golden_same: float | None = None
+    speed: dict[str, Any] | None = None
+    gates: list[dict[str, Any]] | None = None  # None: not checked yet (the change table alone, `on_changes`)
+    passed: bool = True
+    report_dir: str | None = None
+
+    def to_json(self, plots: bool = True) -> dict[str, Any]:
+        """report.json's content (with `report_dir` once written); `plots=False`: without the quality plots (in
+        report.json; too long for a terminal)."""
+        out: dict[str, Any] = {
+            "old": self.old.to_json(),
+            "new": self.new.to_json(),
+            "changes": self.changes,
+            "changed": self.changed,
+            "unknown": self.unknown,
+            "same_build": self.same_build,
+            "same_machine": self.same_machine,
+            "data": self.data,
+            "quality": self.quality.to_json(plots) if self.quality else None,
+            "quality_refused": self.quality_refused,
+            "golden": self.golden,
+            "golden_same": self.golden_same,
+            "speed": self.speed,
+        }
+        if self.gates is not None:
+            out.update(gates=self.gates, passed=self.passed)
+        if self.report_dir is not None:
+            out["report_dir"] = self.report_dir
+        return out
+
+    def change_lines(self, old: Path, new: Path) -> list[str]:
+        """The change table as printed before any model runs; `old`, `new`: the directories as the user named them."""
+        from toolchain.evaluate.diff_report import change_lines, summary_line
+
+        r = self.to_json()
+        lines = [f"diff {old} -> {new}", f"  {summary_line(r)}"]
+        return lines + [f"  {s:<13}{k:<32} {a} -> {b}" for s, k, a, b in change_lines(r)]
+
+    def lines(self) -> list[str]:
+        """What the models showed, and the gates: printed after the change table."""
+        from toolchain.evaluate.diff_report import quality_rows, speed_rows
+
+        lines = []
+        if self.quality is not None:
+            lines.append(f"  quality on {self.quality.new_vs_old.tokens:,} tokens of {self.data}")
+            lines += [f"    {k:<36} {v}" for k, v in quality_rows(self.quality.to_json())]
+        if self.golden is not None:
+            lines.append(f"  golden prompts: {sum(g['same'] for g in self.golden)} of {len(self.golden)} unchanged")
+            lines += [
+                f"    changed at token {g['first_divergence']}: {g['prompt']!r}" for g in self.golden if not g["same"]
+            ]
+        if self.speed is not None:
+            s = self.speed
+            lines.append(
+                f"  speed: {s['requests']} requests of {Path(s['trace']).name}, {s['rounds']} interleaved rounds"
+            )
+            lines.append(f"    {'':<14}{'OLD':>10}{'NEW':>10}{'NEW/OLD':>10}")
+            lines += [f"    {a:<14}{b:>10}{c:>10}{d:>10}" for a, b, c, d in speed_rows(s)]
+        lines += [
+            f"  gate {g['gate']:<21} {'-' if g['value'] is None else format(g['value'], '.6g')} vs {g['limit']:g}: "
+            f"{'pass' if g['pass'] else 'FAIL'}"
+            for g in self.gates or []
+        ]
+        if self.report_dir:
+            lines.append(f"  report -> {self.report_dir} (report.md, report.html, report.json)")
+        return lines
+
+
 def diff(
-    old_dir: Path, new_dir: Path, opts: DiffOptions, on_changes: Callable[[dict[str, Any]], None] | None = None
-) -> dict[str, Any]:
-    """The whole comparison as one dict (see the module docstring). `on_changes` sees the change table as soon as
+    old_dir: Path, new_dir: Path, opts: DiffOptions, on_changes: Callable[[DiffResult], None] | None = None
+) -> DiffResult:
+    """The whole comparison (see the module docstring). `on_changes` sees the change table as soon as
     it is known, before any model runs. Quality refused for two different models: `quality_refused` says why."""
     old, new = load_pair(old_dir, new_dir)
     refusal = quality_refusal(old, new)
@@ -521,41 +643,37 @@ def diff(
         raise UserError(f"--reference {opts.reference}: both engines are scored against it on --data; pass --data")
     rows = changes(old, new)
     built = [r for r in rows if not r.get("context")]
-    result: dict[str, Any] = {
-        "old": old.describe(),
-        "new": new.describe(),
-        "changes": rows,
-        "changed": sum(r["changed"] for r in built),
-        "unknown": sum("unknown" in r for r in built),
-        "same_build": not any(r["changed"] or "unknown" in r for r in built),
-        "same_machine": not any(r["changed"] for r in rows if r.get("context")),
-        "data": str(data.resolve()) if data else None,
-        "quality": None,
-        "quality_refused": refusal if opts.data or opts.golden else None,  # asked for, and refused
-        "golden": None,
-        "golden_same": None,
-        "speed": None,
-    }
+    result = DiffResult(
+        old=old.describe(),
+        new=new.describe(),
+        changes=rows,
+        changed=sum(r["changed"] for r in built),
+        unknown=sum("unknown" in r for r in built),
+        same_build=not any(r["changed"] or "unknown" in r for r in built),
+        same_machine=not any(r["changed"] for r in rows if r.get("context")),
+        data=str(data.resolve()) if data else None,
+        quality_refused=refusal if opts.data or opts.golden else None,  # asked for, and refused
+    )
     if on_changes is not None:
         on_changes(result)
     if not opts.changes_only:
-        _run_models(old, new, data, opts, result)
-    metrics: dict[str, float | None] = {"golden_same": result["golden_same"]}
-    if result["quality"] is not None:
-        metrics.update(result["quality"]["new_vs_old"])
-    if result["speed"] is not None:
-        metrics.update(result["speed"]["ratios"])
-    result["gates"] = check_gates(gates, metrics)
-    result["passed"] = all(g["pass"] for g in result["gates"])
-    return result
+        result = _run_models(old, new, data, opts, result)
+    metrics: dict[str, float | None] = {"golden_same": result.golden_same}
+    if result.quality is not None:
+        metrics.update(result.quality.new_vs_old.to_dict())
+    if result.speed is not None:
+        metrics.update(result.speed["ratios"])
+    checked = check_gates(gates, metrics)
+    return replace(result, gates=checked, passed=all(g["pass"] for g in checked))
 
 
-def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: dict[str, Any]) -> None:
+def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: DiffResult) -> DiffResult:
     if data is None and opts.golden is None and opts.trace is None:
-        return  # nothing asked of the models: the change table is the whole diff
+        return result  # nothing asked of the models: the change table is the whole diff
     # both were checked against their manifests in load_side: opened here without hashing them again
     engines = open_trusted(old.spec), open_trusted(new.spec)
-    refusal = result["quality_refused"]  # two different models; the speed of those is still comparable
+    refusal = result.quality_refused  # two different models; the speed of those is still comparable
+    scored, replayed, same = None, None, None
     if refusal is None and data is not None:
         tokens, refusal = _tokens(data, old, new, opts.max_tokens)
         if tokens is not None:
@@ -566,14 +684,14 @@ def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, resu
                     "give more text"
                 )
             console.info(f"scoring both engines on {tokens.numel():,} tokens of {data} in windows of {window}")
-            result["quality"] = quality(*engines, tokens, window, opts.reference)
+            scored = quality(*engines, tokens, window, opts.reference)
     if refusal is None and opts.golden is not None:
-        result["golden"], refusal = golden(*engines, opts.golden)
-        if result["golden"] is not None:
-            result["golden_same"] = sum(g["same"] for g in result["golden"]) / len(result["golden"])
-    result["quality_refused"] = refusal  # or: the tokenizers differ
-    if opts.trace is not None:
-        result["speed"] = speed(*engines, opts.trace, opts)
+        replayed, refusal = golden(*engines, opts.golden)
+        if replayed is not None:
+            same = sum(g["same"] for g in replayed) / len(replayed)
+    timed = speed(*engines, opts.trace, opts) if opts.trace is not None else None
+    # quality_refused: or the tokenizers differ
+    return replace(result, quality=scored, quality_refused=refusal, golden=replayed, golden_same=same, speed=timed)
 
 
 def run_diff(
@@ -582,10 +700,10 @@ def run_diff(
     opts: DiffOptions,
     out_dir: Path | None = None,
     force: bool = False,
-    on_changes: Callable[[dict[str, Any]], None] | None = None,
+    on_changes: Callable[[DiffResult], None] | None = None,
     record: StageRecord | None = None,
     new_label: Path | None = None,
-) -> dict[str, Any]:
+) -> DiffResult:
     """`diff`, then report.json / .md / .html and a manifest in `out_dir` (atomically) when given. `new_label`:
     where NEW's engine will live, when it is still being written elsewhere (a recipe run)."""
 
@@ -594,25 +712,25 @@ def run_diff(
     record = record or StageRecord("diff")  # started now: its wall time is the diff's
     result = diff(old_dir, new_dir, opts, on_changes)
     if new_label is not None:
-        result["new"].update(path=str(new_label), engine_dir=str(new_label))
+        result = replace(result, new=replace(result.new, path=str(new_label), engine_dir=str(new_label)))
     if out_dir is None:
         return result
     record.details.update(
-        old_manifest_sha256=result["old"]["manifest_sha256"],
-        new_manifest_sha256=result["new"]["manifest_sha256"],
-        changed=result["changed"],
-        gates=result["gates"],
-        passed=result["passed"],
+        old_manifest_sha256=result.old.manifest_sha256,
+        new_manifest_sha256=result.new.manifest_sha256,
+        changed=result.changed,
+        gates=result.gates,
+        passed=result.passed,
     )
     with atomic_dir(out_dir, force, inputs=(old_dir, new_dir)) as tmp:
         for engine_dir in (load_side(old_dir, "OLD").engine_dir, load_side(new_dir, "NEW").engine_dir):
             record.add_inputs(engine_dir, [engine_dir / MANIFEST_NAME, engine_dir / BUILD_CONFIG])
-        for path in (result["data"] and Path(result["data"]), opts.golden, opts.trace):
+        for path in (result.data and Path(result.data), opts.golden, opts.trace):
             if path:
                 record.add_inputs(path.parent, [path])
-        write_reports(result, tmp)
+        write_reports(result.to_json(), tmp)
         record.write(tmp)
-    return {**result, "report_dir": str(out_dir.resolve())}
+    return replace(result, report_dir=str(out_dir.resolve()))
 
 
 # -- `trtbuild run` with eval.baseline ----------------------------------------------------------------------------
@@ -622,7 +740,35 @@ def _recipe_gates(section: Any) -> tuple[tuple[str, float], ...]:
     return tuple((k, v) for k, v in section.gates.model_dump().items() if v is not None and k in DIFF)
 
 
-def baseline_settings(section: Any) -> dict[str, Any] | None:
+@dataclass(frozen=True)
+class BaselineSettings:
+    """What a recipe's diff stage depends on: the settings part of its cache key."""
+
+    baseline_manifest_sha256: str  # the released engine by its manifest, not its path
+    max_tokens: int
+    gates: tuple[tuple[str, float], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class BaselineDiff:
+    """The recipe's diff stage, as a run reports it: the baseline, the quality NEW vs OLD, and its gates."""
+
+    baseline: str
+    baseline_manifest_sha256: str
+    changed: int
+    quality: dict[str, Any] | None  # {"new_vs_old": QualityReport dict}, or None without eval data
+    golden_same: float | None
+    gates: list[dict[str, Any]]
+    passed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def baseline_settings(section: Any) -> BaselineSettings | None:
     """What a recipe's diff stage depends on (its cache key's settings), or None without `eval.baseline`; checked
     before any stage runs. `section`: the recipe's EvalSection."""
     gates = _recipe_gates(section)
@@ -639,27 +785,27 @@ def baseline_settings(section: Any) -> dict[str, Any] | None:
             "(prompts) to the eval section, or remove the gate"
         )
     side = load_side(section.baseline, "eval.baseline")
-    return {"baseline_manifest_sha256": side.manifest_sha256, "max_tokens": section.max_tokens, "gates": gates}
+    return BaselineSettings(side.manifest_sha256, section.max_tokens, gates)
 
 
 def baseline_stage(
     section: Any, engine_dir: Path, out_dir: Path, record: StageRecord, engine_label: Path
-) -> dict[str, Any]:
+) -> BaselineDiff:
     """The recipe's diff stage: `trtbuild diff BASELINE ENGINE` on the eval data and golden prompts, its gates,
     and the report in `out_dir`. `engine_label`: where the engine will live once the run dir is renamed."""
     assert section is not None and section.baseline is not None
     opts = DiffOptions(data=section.data, max_tokens=section.max_tokens, golden=section.golden)
     opts = replace(opts, gates=_recipe_gates(section))
     result = run_diff(section.baseline, engine_dir, opts, out_dir, record=record, new_label=engine_label)
-    if result["quality_refused"]:
-        raise UserError(f"eval.baseline {section.baseline}: quality comparison refused: {result['quality_refused']}")
-    quality = result["quality"] and {"new_vs_old": result["quality"]["new_vs_old"]}
-    return {
-        "baseline": result["old"]["path"],
-        "baseline_manifest_sha256": result["old"]["manifest_sha256"],
-        "changed": result["changed"],
-        "quality": quality,
-        "golden_same": result["golden_same"],
-        "gates": result["gates"],
-        "passed": result["passed"],
-    }
+    if result.quality_refused:
+        raise UserError(f"eval.baseline {section.baseline}: quality comparison refused: {result.quality_refused}")
+    quality = {"new_vs_old": result.quality.new_vs_old.to_dict()} if result.quality else None
+    return BaselineDiff(
+        baseline=result.old.path,
+        baseline_manifest_sha256=result.old.manifest_sha256,
+        changed=result.changed,
+        quality=quality,
+        golden_same=result.golden_same,
+        gates=result.gates or [],
+        passed=result.passed,
+    )

@@ -4,6 +4,7 @@ Hugging Face model in float32; greedy golden-prompt replay; gates that turn a re
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from toolchain.errors import UserError
 from toolchain.evaluate.gates import EVAL, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
 from toolchain.evaluate.report import write_reports
+from toolchain.evaluate.results import EvalResult
 from toolchain.manifest import MANIFEST_NAME, StageRecord, environment, read_manifest, sha256_file
 from toolchain.quality import QualityReport, collect, kld_histogram, summarize
 from toolchain.quantize.methods.registry import by_algo
@@ -115,7 +117,7 @@ def evaluate_engine(
     max_tokens: int,
     golden: Path | None,
     gates: dict[str, float],
-) -> dict[str, Any]:
+) -> EvalResult:
     session, reference = EngineSession(engine), Reference(reference_dir)
     vocab = reference.model.get_input_embeddings().num_embeddings
     if vocab != engine.spec.vocab_size:  # another model: its logits would be compared index by index with ours
@@ -142,20 +144,20 @@ def evaluate_engine(
     golden_exact = sum(g["exact"] for g in golden_results) / len(golden_results) if golden_results else None
     metrics: dict[str, float | None] = {**report.to_dict(), "golden_exact": golden_exact}
     gate_results = check_gates(gates, metrics)
-    return {
-        "engine_dir": str(engine_dir.resolve()),
-        "reference": str(reference_dir.resolve()),
-        "data": str(data.resolve()),
-        "window": window,
-        "quality": report.to_dict(),
-        "golden_exact": golden_exact,
-        "golden_prompts": len(golden_results),
-        "golden": golden_results,
-        "gates": gate_results,
-        "passed": all(g["pass"] for g in gate_results),
-        "kld_histogram": _histogram(stats["kld"].reshape(-1)),
-        "top1_by_position": stats["top1"].mean(0).tolist(),
-    }
+    return EvalResult(
+        engine_dir=str(engine_dir.resolve()),
+        reference=str(reference_dir.resolve()),
+        data=str(data.resolve()),
+        window=window,
+        quality=report,
+        golden_exact=golden_exact,
+        golden_prompts=len(golden_results),
+        golden=golden_results,
+        gates=gate_results,
+        passed=all(g["pass"] for g in gate_results),
+        kld_histogram=_histogram(stats["kld"].reshape(-1)),
+        top1_by_position=stats["top1"].mean(0).tolist(),
+    )
 
 
 def built(engine_dir: Path) -> dict[str, Any]:
@@ -215,7 +217,7 @@ def run_eval(
     force: bool = False,
     record: StageRecord | None = None,
     engine_label: Path | None = None,
-) -> dict[str, Any]:
+) -> EvalResult:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
     `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
 
@@ -234,23 +236,23 @@ def run_eval(
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = open_trusted(spec, backend)
     result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
-    result.update(built=built(engine_dir), evaluated_with=evaluated_with(backend or spec.backend))
+    result = replace(result, built=built(engine_dir), evaluated_with=evaluated_with(backend or spec.backend))
     if engine_label is not None:
-        result["engine_dir"] = str(engine_label)
+        result = replace(result, engine_dir=str(engine_label))
     record = record or StageRecord("eval")
     record.details.update(
-        quality=result["quality"],
-        golden_exact=result["golden_exact"],
-        golden_prompts=result["golden_prompts"],
-        gates=result["gates"],
-        passed=result["passed"],
-        built=result["built"],
+        quality=result.quality.to_dict(),
+        golden_exact=result.golden_exact,
+        golden_prompts=result.golden_prompts,
+        gates=result.gates,
+        passed=result.passed,
+        built=result.built,
     )
     with atomic_dir(out_dir, force, inputs=(engine_dir, reference_dir)) as tmp:
         record.add_inputs(engine_dir, [engine_dir / BUILD_CONFIG, engine_dir / "model.onnx"])
         for text in (data, golden):
             if text is not None:
                 record.add_inputs(text.parent, [text])
-        write_reports(result, tmp)
+        write_reports(result.to_json(), tmp)
         manifest = record.write(tmp)
-    return {**result, "report_dir": str(out_dir.resolve()), "outputs": manifest["outputs"]}
+    return replace(result, report_dir=str(out_dir.resolve()), outputs=manifest["outputs"])

@@ -46,6 +46,7 @@ from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
 from toolchain.quantize.methods.registry import KV_CACHES, method
+from toolchain.quantize.results import QuantizeResult
 from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable
 from toolchain.quantize.smoothquant import Alpha
 from toolchain.reference.model import ReferenceModel
@@ -244,7 +245,7 @@ def quantize_checkpoint(
     eval_tokens: int = 50_000,
     force: bool = False,
     record: StageRecord | None = None,
-) -> dict[str, Any]:
+) -> QuantizeResult:
     _check_held_out(opts, eval_data)
     cfg = read_config(source)
     if cfg.quantization.quant_algo or cfg.quantization.kv_cache_quant_algo:
@@ -300,17 +301,17 @@ def quantize_checkpoint(
         if report:
             record.details["quality"] = report.to_dict()
         manifest = record.write(tmp)
-    return {
-        "output_dir": str(out_dir.resolve()),
-        "quant_algo": quant.quant_algo,
-        "kv_cache_quant_algo": quant.kv_cache_quant_algo,
-        "group_size": opts.group_size,
-        "quantized_modules": len(chosen),
-        "calibration": calib_info or None,
-        "quality": report.to_dict() if report else None,
-        "outputs": manifest["outputs"],
-        "wall_time_s": manifest["wall_time_s"],
-    }
+    return QuantizeResult(
+        output_dir=str(out_dir.resolve()),
+        quant_algo=quant.quant_algo,
+        kv_cache_quant_algo=quant.kv_cache_quant_algo,
+        group_size=opts.group_size,
+        quantized_modules=len(chosen),
+        calibration=calib_info or None,
+        quality=report,
+        outputs=manifest["outputs"],
+        wall_time_s=manifest["wall_time_s"],
+    )
 
 
 def _write(src: Path, dst: Path, out: Planned) -> None:
