@@ -28,7 +28,13 @@ from toolchain import serve as serving  # the server's defaults (constants only;
 from toolchain.engine.backends import AUTO
 from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
 from toolchain.errors import UserError
-from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES, METHODS_HELP
+from toolchain.quantize.methods import (
+    DEFAULT_GROUP_SIZE,
+    GROUP_SIZE_CHOICES,
+    KV_CACHE_NAMES,
+    METHOD_NAMES,
+    METHODS_HELP,
+)
 
 
 class _PlainErrors(typer.core.TyperGroup):
@@ -175,6 +181,12 @@ def convert(
 
 
 # the quantization registry's names (toolchain/quantize/methods/__init__.py: no torch at CLI start-up)
+def _one_of(values: tuple[int, ...]) -> str:
+    """ "32, 64 or 128": a help text's list of choices."""
+    *head, last = map(str, values)
+    return f"{', '.join(head)} or {last}" if head else last
+
+
 Method = Enum("Method", {name: name for name in METHOD_NAMES}, type=str)  # type: ignore[misc]
 KvCache = Enum("KvCache", {name: name for name in KV_CACHE_NAMES}, type=str)  # type: ignore[misc]
 
@@ -191,7 +203,9 @@ def quantize(
         typer.Option(help=f"{METHODS_HELP}."),
     ],
     kv_cache: Annotated[KvCache, typer.Option("--kv-cache", help="KV cache quantization.")] = KvCache("none"),
-    group_size: Annotated[int, typer.Option("--group-size", help="w4a16 group size: 32, 64 or 128.")] = 128,
+    group_size: Annotated[
+        int, typer.Option("--group-size", help=f"w4a16 group size: {_one_of(GROUP_SIZE_CHOICES)}.")
+    ] = (DEFAULT_GROUP_SIZE),
     calib_data: Annotated[
         Path | None,
         typer.Option("--calib-data", help="Calibration text (.txt or .jsonl {'text'}); awq, sq, fp8 and KV cache."),

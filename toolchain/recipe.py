@@ -34,7 +34,7 @@ from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
 from toolchain.engine.geometry import TOKENS_PER_BLOCK
 from toolchain.errors import UserError
 from toolchain.files import RECIPE_LIMIT, read_text_capped
-from toolchain.quantize.methods import KV_CACHE_NAMES, METHOD_NAMES
+from toolchain.quantize.methods import DEFAULT_GROUP_SIZE, GROUP_SIZE_CHOICES, KV_CACHE_NAMES, METHOD_NAMES
 
 _FLOAT_TAG = "tag:yaml.org,2002:float"
 # YAML 1.2's float forms (an exponent needs no dot and no sign: 1e-9, 5e3, -1E-4; a sign before a bare fraction:
@@ -66,6 +66,7 @@ RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report", "diff": "diff"}
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 BackendChoice = Literal[BACKEND_CHOICES]  # type: ignore[valid-type]  # engine/backends.py's registry, as a Literal
+GroupSize = Literal[GROUP_SIZE_CHOICES]  # type: ignore[valid-type]  # the methods' own sizes (methods/__init__.py)
 
 
 class _Section(BaseModel):
@@ -103,7 +104,7 @@ class QuantizeSection(_Section):
     kv_cache: StrictStr = Field(
         "none", description="KV cache quantization", json_schema_extra={"enum": list(KV_CACHE_NAMES)}
     )
-    group_size: Literal[32, 64, 128] = Field(128, description="Group size of w4a16 / w4a16_awq")
+    group_size: GroupSize = Field(DEFAULT_GROUP_SIZE, description="Group size of w4a16 / w4a16_awq")
     calib_data: Path | None = Field(None, description="Calibration text (.txt / .jsonl); relative to the recipe")
     calib_samples: StrictInt = Field(64, ge=1, description="Calibration windows")
     calib_seq_len: StrictInt = Field(256, ge=2, description="Tokens per calibration window")

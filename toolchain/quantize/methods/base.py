@@ -22,6 +22,7 @@ import torch
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.checkpoint.spec import LayerSpec
 from toolchain.quantize.calibrate import Calibration
+from toolchain.quantize.methods import GROUP_SIZES, METHODS_INDEX
 from toolchain.quantize.smoothquant import Alpha
 
 if TYPE_CHECKING:  # the quantize stage need not import onnx
@@ -32,8 +33,6 @@ WEIGHT = "weight"  # the codes
 WEIGHT_SCALE = "weights_scaling_factor"  # every quantized linear has one: it marks the linear as quantized
 ACTIVATION_SCALE = "activation_scaling_factor"  # a static per-tensor scale of the input
 PREQUANT = "prequant_scaling_factor"  # 1/s [in], multiplying the input before anything else (SmoothQuant, AWQ)
-
-GROUP_SIZES = (32, 64, 128)  # group sizes a method accepts unless it declares its own
 
 
 def quantized(prefix: str, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -143,7 +142,6 @@ class QuantMethod:
 
     quant_algo: ClassVar[str]  # config.json's quantization.quant_algo (TensorRT-LLM's QuantAlgo)
     suffixes: ClassVar[tuple[str, ...]]  # the tensors PREFIX.<suffix> of a linear it quantizes (some may be absent)
-    group_sizes: ClassVar[tuple[int, ...]] = GROUP_SIZES  # `--group-size` values it accepts
     needs_calibration: ClassVar[bool] = False
     streamable: ClassVar[bool] = True  # quantize needs the weight alone: no `prepare`, no calibration statistics
     activation_kind: ClassVar[str | None] = None  # "INT8" / "FP8": activations quantized per tensor at run time
@@ -154,6 +152,8 @@ class QuantMethod:
 
     def __init__(self, name: str) -> None:
         self.name = name  # `--method`, a recipe's `quantize.method` (methods/__init__.py)
+        entry = METHODS_INDEX.get(name)  # its line there declares the group sizes it accepts
+        self.group_sizes: tuple[int, ...] = entry.group_sizes if entry else GROUP_SIZES
 
     def tensor_names(self, prefix: str) -> tuple[str, ...]:
         """Every tensor a linear PREFIX quantized by this method may carry; the method reads no other."""

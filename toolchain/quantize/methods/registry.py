@@ -21,7 +21,7 @@ def _load(name: str, where: str) -> QuantMethod:
     return method
 
 
-METHODS: dict[str, QuantMethod] = {name: _load(name, where) for name, (where, _) in METHODS_INDEX.items()}
+METHODS: dict[str, QuantMethod] = {name: _load(name, entry.where) for name, entry in METHODS_INDEX.items()}
 KV_CACHES: dict[str, KvCacheQuant | None] = {kv.name if kv else "none": kv for kv in (None, INT8_KV, FP8_KV)}
 assert tuple(KV_CACHES) == KV_CACHE_NAMES, "methods/__init__.py lists the KV caches kv_cache.py defines"
 _BY_ALGO = {m.quant_algo: m for m in METHODS.values()}
