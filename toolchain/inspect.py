@@ -167,3 +167,49 @@ def describe(directory: Path) -> dict[str, Any]:
     if "eval" not in info and len(evals) == 1:  # a run dir: its report's verdict at the top
         info["eval"] = evals[0]
     return info
+
+
+def describe_lines(info: dict[str, Any], indent: str = "", eval_shown: bool = False) -> list[str]:
+    """`trtbuild inspect`'s text: one block per artifact, a run's stages indented under it."""
+    lines = [f"{indent}{info['path']}  ({info['kind']})"]
+    if "eval" in info and not eval_shown:  # a run's verdict at its top, not again under its report stage
+        lines += eval_lines(info["eval"], indent)
+    if info["kind"] == "hf-model":
+        lines.append(
+            f"{indent}  hugging face  {info['architectures']}, {info['num_hidden_layers']} layers, hidden "
+            f"{info['hidden_size']}, vocab {info['vocab_size']}, weights {', '.join(info['weight_files'])}"
+        )
+    if "architecture" in info:
+        lines += [
+            f"{indent}  architecture  {info['architecture']}  dtype {info['dtype']}",
+            f"{indent}  shape         {info['layers']} layers, hidden {info['hidden_size']}, heads "
+            f"{info['heads']}/{info['kv_heads']} kv, head_size {info['head_size']}, vocab {info['vocab_size']}",
+            f"{indent}  rotary        scaling {info['rotary_scaling']}",
+            f"{indent}  mapping       {info['mapping']}",
+            f"{indent}  quantization  {info['quantization']['quant_algo'] or 'none'} "
+            f"(kv cache: {info['quantization']['kv_cache_quant_algo'] or 'none'})",
+            f"{indent}  rank files    " + ", ".join(f"{n} ({s:,} B)" for n, s in info["rank_files"].items()),
+        ]
+    if "engine" in info:
+        e = info["engine"]
+        limits = e["limits"]
+        lines += [
+            f"{indent}  engine        {e['architecture']} on {e['backend']}, {e['dtype']}, "
+            f"{e['quant_algo'] or 'unquantized'}, kv cache {e['kv_cache']}",
+            f"{indent}  limits        batch {limits['max_batch_size']}, tokens/call {limits['max_num_tokens']}, "
+            f"seq {limits['max_seq_len']}, {limits['tokens_per_block']} tokens/block, {limits['num_blocks']} blocks",
+            f"{indent}  built with    TensorRT {e['tensorrt'] or '-'}, GPU {e['gpu'] or '-'} (SM {e['sm'] or '-'}), "
+            f"driver {e['driver'] or '-'}, CUDA {e['cuda'] or '-'}, onnxruntime {e['onnxruntime'] or '-'}",
+            f"{indent}  plugins       {e['plugins']}",
+        ]
+    if "manifest" in info:
+        m = info["manifest"]
+        lines.append(
+            f"{indent}  manifest      stage {m['stage']}, trtbuild {m['toolchain_version']} "
+            f"({(m['git_commit'] or 'no git')[:12]}), {m['inputs']} inputs, {m['outputs']} outputs "
+            f"({m['output_bytes']:,} B), {m['wall_time_s']} s, peak RSS {m['peak_rss_bytes'] / 2**20:.0f} MiB"
+        )
+        lines += [f"{indent}  warning       {w}" for w in m["warnings"]]
+    for child in info.get("stages", {}).values():
+        lines += describe_lines(child, indent + "  ", "eval" in info)
+    return lines
