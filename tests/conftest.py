@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from toolchain import seeded
@@ -17,6 +19,7 @@ from toolchain.manifest import file_entry, read_manifest, write_manifest
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = SHARED / "models" / "stories260K-hf"
+WIKI = SHARED / "wikitext-2"
 
 BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -115,3 +118,32 @@ def one_line_error(result: Any) -> str:
     assert len(errors) == 1, result.stderr
     assert "Traceback" not in result.stderr
     return errors[0]
+
+
+def nothing_written(out: Path) -> None:
+    """Assert that a refused stage left neither `out` nor its temporary sibling behind."""
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def edit_config(hf_dir: Path, **changes: Any) -> None:
+    """Change fields of a Hugging Face model's config.json in place."""
+    path = hf_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def edit_weights(hf_dir: Path, fn: Any) -> None:
+    """Apply `fn` to a Hugging Face model's tensors and save them back."""
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def convert_fails(cli: Any, hf_dir: Path, out: Path, *extra: str) -> str:
+    """Convert, assert the user-error contract and that nothing was written; the error line."""
+    line = one_line_error(cli("convert", hf_dir, "-o", out, *extra))
+    nothing_written(out)
+    return line

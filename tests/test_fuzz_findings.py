@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import one_line_error, reseal
-from test_bad_input import nothing_written
+from conftest import nothing_written, one_line_error, reseal
 
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, RECIPE_LIMIT, read_text_capped

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import convert_fails, edit_config, edit_weights, nothing_written, one_line_error
 from safetensors.torch import load_file
-from test_bad_input import convert_fails, edit_config, edit_weights, nothing_written
 
 from toolchain.manifest import Cancelled, StageRecord
 
