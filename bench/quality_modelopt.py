@@ -7,10 +7,10 @@ the same evaluation tokens against the same float reference, two ways:
 - fake-quant: ModelOpt's own quantized torch model (its fake-quant modules) scored on the same windows.
 
 ModelOpt runs in its own python (TRTBUILD_MODELOPT_PYTHON, else ~/.cache/trtbuild-peers/venvs/modelopt, else this
-interpreter; tests/quantize/modelopt_export.py says how to make it), which runs this file as a worker: it reads the windows
-from a safetensors file, writes the fake-quant logits and the export, and a result.json with the error of whichever
-failed (ModelOpt's int4 export refuses a K that is not a whole number of groups). Each figure is a quality dict
-(toolchain.quality.QualityReport) or a one-line reason.
+interpreter; tests/quantize/modelopt_export.py says how to make it), which runs this file as a worker: it reads the
+windows from a safetensors file, writes the fake-quant logits and the export, and a result.json with the error of
+whichever failed (ModelOpt's int4 export refuses a K that is not a whole number of groups). Each figure is a quality
+dict (toolchain.quality.QualityReport) or a one-line reason.
 """
 
 from __future__ import annotations
