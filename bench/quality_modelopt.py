@@ -7,10 +7,10 @@ the same evaluation tokens against the same float reference, two ways:
 - fake-quant: ModelOpt's own quantized torch model (its fake-quant modules) scored on the same windows.
 
 ModelOpt runs in its own python (TRTBUILD_MODELOPT_PYTHON, else ~/.cache/trtbuild-peers/venvs/modelopt, else this
-interpreter; tests/modelopt_export.py says how to make it), which runs this file as a worker: it reads the windows
-from a safetensors file, writes the fake-quant logits and the export, and a result.json with the error of whichever
-failed (ModelOpt's int4 export refuses a K that is not a whole number of groups). Each figure is a quality dict
-(toolchain.quality.QualityReport) or a one-line reason.
+interpreter; tests/quantize/modelopt_export.py says how to make it), which runs this file as a worker: it reads the
+windows from a safetensors file, writes the fake-quant logits and the export, and a result.json with the error of
+whichever failed (ModelOpt's int4 export refuses a K that is not a whole number of groups). Each figure is a quality
+dict (toolchain.quality.QualityReport) or a one-line reason.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from toolchain.quantize.methods import KV_CACHE_NAMES  # noqa: E402  torch-free:
 PEER_VENV = Path.home() / ".cache" / "trtbuild-peers" / "venvs" / "modelopt" / "bin" / "python"
 
 # trtbuild method -> ModelOpt's config of the same scheme (modelopt.torch.quantization), used as ModelOpt ships it
-# but for the int4 block size and the KV cache quantizers (as tests/modelopt_export.py does)
+# but for the int4 block size and the KV cache quantizers (as tests/quantize/modelopt_export.py does)
 MODELOPT_CONFIGS = {
     "w8a16": "INT8_WEIGHT_ONLY_CFG",
     "w4a16": "INT4_BLOCKWISE_WEIGHT_ONLY_CFG",
@@ -70,7 +70,7 @@ def modelopt_python() -> tuple[str | None, str]:
             return python, ""
     return None, (
         "nvidia-modelopt not importable (set TRTBUILD_MODELOPT_PYTHON, make the venv "
-        f"{PEER_VENV.parent.parent} or `pip install -e .[peers]`; see tests/modelopt_export.py)"
+        f"{PEER_VENV.parent.parent} or `pip install -e .[peers]`; see tests/quantize/modelopt_export.py)"
     )
 
 

@@ -78,7 +78,7 @@ def i32(v: int) -> tuple[int, Any]:
 
 
 def run_case(k: Kernels, v: dict[str, np.ndarray], splits: int, dev: str = "cuda") -> dict[str, Any]:
-    """One vector through the kernels (`dev` other than cuda only for tests/test_plugins.py, which records the
+    """One vector through the kernels (`dev` other than cuda only for tests/plugins/test_plugins.py, which records the
     launches on CPU with a stand-in for Kernels)."""
     torch = k.torch
     meta = json.loads(str(v["attrs"]))

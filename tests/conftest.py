@@ -2,21 +2,27 @@
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from toolchain import seeded
 from toolchain.cli import app
+from toolchain.files import JSON_LIMIT
 from toolchain.manifest import file_entry, read_manifest, write_manifest
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = SHARED / "models" / "stories260K-hf"
+WIKI = SHARED / "wikitext-2"
 
 BASE: dict[str, Any] = {
     "hidden_size": 64,
@@ -115,3 +121,93 @@ def one_line_error(result: Any) -> str:
     assert len(errors) == 1, result.stderr
     assert "Traceback" not in result.stderr
     return errors[0]
+
+
+def nothing_written(out: Path) -> None:
+    """Assert that a refused stage left neither `out` nor its temporary sibling behind."""
+    assert not out.exists()
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+def edit_config(hf_dir: Path, **changes: Any) -> None:
+    """Change fields of a Hugging Face model's config.json in place."""
+    path = hf_dir / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.update(changes)
+    path.write_text(json.dumps(cfg))
+
+
+def edit_weights(hf_dir: Path, fn: Any) -> None:
+    """Apply `fn` to a Hugging Face model's tensors and save them back."""
+    path = hf_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    fn(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def convert_fails(cli: Any, hf_dir: Path, out: Path, *extra: str) -> str:
+    """Convert, assert the user-error contract and that nothing was written; the error line."""
+    line = one_line_error(cli("convert", hf_dir, "-o", out, *extra))
+    nothing_written(out)
+    return line
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Fail (rather than hang) if the block takes longer: SIGALRM interrupts a blocking open or read."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"still running after {seconds} s: the input was not refused before reading")
+
+    old = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def not_a_file(path: Path, kind: str) -> None:
+    """Make `path` one of the things a fuzzer puts where a file should be."""
+    path.unlink(missing_ok=True)
+    if kind == "dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        with path.open("wb") as f:
+            f.truncate(JSON_LIMIT + 1)  # sparse: no disk used, but larger than any config
+    else:
+        raise AssertionError(kind)
+
+
+# What the one-line refusal says for each kind of not_a_file.
+NOT_A_FILE_ERRORS = {
+    "dev-zero": "not a regular file (a character device through a symlink to /dev/zero)",
+    "fifo": "not a regular file (a FIFO",
+    "directory": "not a regular file (a directory",
+    "huge": "over the 64.0 MiB limit",
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A CPU engine of the tiny demo Llama, built once per test module (tests copy it before damaging it)."""
+    from toolchain.checkpoint.convert import convert
+    from toolchain.checkpoint.tiny import make_tiny_llama
+    from toolchain.engine.build import BuildOptions, build_engine
+
+    tmp = tmp_path_factory.mktemp("fuzz-engine")
+    make_tiny_llama(tmp / "hf", seed=0)
+    convert(tmp / "hf", tmp / "ckpt")
+    build_engine(tmp / "ckpt", tmp / "engine", BuildOptions(backend="onnxruntime", max_seq_len=128, max_batch_size=4))
+    return tmp / "engine"
+
+
+def mooncake(path: Path, *records: dict[str, Any] | str) -> Path:
+    """Write a Mooncake-style JSONL trace: one line per record, a dict as JSON or a string as it is."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
+    return path

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import edit_weights, one_line_error
 
 import toolchain.checkpoint.convert as convert_mod
 from toolchain.checkpoint.convert import convert
@@ -109,3 +110,23 @@ def test_sigterm_mid_write_leaves_nothing(make_llama: Any, tmp_path: Path) -> No
     assert "interrupted" in stderr
     assert not out.exists()
     assert leftovers(tmp_path, "out") == []
+
+
+def test_force_refuses_a_folder_with_a_foreign_manifest(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    webapp = tmp_path / "webapp"
+    webapp.mkdir()
+    (webapp / "manifest.json").write_text('{"name": "app"}')
+    (webapp / "index.html").write_text("<html>")
+    line = one_line_error(cli("convert", make_llama(), "-o", webapp, "--force"))
+    assert "not a trtbuild artifact" in line
+    assert (webapp / "index.html").read_text() == "<html>"
+
+
+def test_output_under_a_file_and_parents_cleaned(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama()
+    (tmp_path / "afile").write_text("x")
+    line = one_line_error(cli("convert", hf, "-o", tmp_path / "afile" / "out"))
+    assert "cannot create output dir" in line
+    edit_weights(hf, lambda t: t["model.norm.weight"].fill_(float("nan")))
+    assert "NaN/Inf" in one_line_error(cli("convert", hf, "-o", tmp_path / "deep" / "a" / "b" / "out"))
+    assert not (tmp_path / "deep").exists()

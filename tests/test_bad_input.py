@@ -9,33 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import one_line_error
-from safetensors.torch import load_file, save_file
-
-
-def nothing_written(out: Path) -> None:
-    assert not out.exists()
-    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
-
-
-def edit_config(hf_dir: Path, **changes: Any) -> None:
-    path = hf_dir / "config.json"
-    cfg = json.loads(path.read_text())
-    cfg.update(changes)
-    path.write_text(json.dumps(cfg))
-
-
-def edit_weights(hf_dir: Path, fn: Any) -> None:
-    path = hf_dir / "model.safetensors"
-    tensors = load_file(str(path))
-    fn(tensors)
-    save_file(tensors, str(path), metadata={"format": "pt"})
-
-
-def convert_fails(cli: Any, hf_dir: Path, out: Path, *extra: str) -> str:
-    line = one_line_error(cli("convert", hf_dir, "-o", out, *extra))
-    nothing_written(out)
-    return line
+from conftest import convert_fails, edit_config, edit_weights, one_line_error
+from safetensors.torch import load_file
 
 
 def test_truncated_safetensors(cli: Any, make_llama: Any, tmp_path: Path) -> None:

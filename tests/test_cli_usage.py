@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,3 +41,8 @@ def test_help_and_version_still_exit_zero() -> None:
         )
         assert p.returncode == 0, (args, p.stderr)
         assert p.stdout.strip()
+
+
+def test_tiny_model_seed_out_of_range_is_a_usage_error(cli: Any, tmp_path: Path) -> None:
+    assert cli("tiny-model", tmp_path / "x", "--seed", str(10**23)).exit_code == 2
+    assert not (tmp_path / "x").exists()

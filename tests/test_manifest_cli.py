@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import CancelledError
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import one_line_error
 
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header
+from toolchain.manifest import Cancelled, StageRecord
 from toolchain.reference.model import ReferenceModel
 
 
@@ -141,3 +144,52 @@ def test_streaming_writer_round_trips_through_safetensors(dtype: torch.dtype, tm
             loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
         )
     assert set(read_header(tmp_path / "x.safetensors")[0]) == set(tensors)
+
+
+def test_cancel_stops_background_hashing(tmp_path: Path) -> None:
+    big = tmp_path / "big.bin"
+    with big.open("wb") as f:  # sparse: takes no disk, seconds to hash
+        f.truncate(8 << 30)
+    record = StageRecord("test")
+    record.add_inputs(tmp_path, [big, big.with_name("other.bin")])
+    record.cancel()
+    for future in record._pending:
+        with pytest.raises((Cancelled, CancelledError, FileNotFoundError)):
+            future.result(timeout=30)
+
+
+@pytest.mark.parametrize(
+    "manifest",
+    ["[1]", '{"schema_version": 1}', '{"schema_version": 1, "inputs": [], "outputs": [{"path": 3}]}', "\udcff"],
+)
+def test_verify_and_inspect_on_damaged_manifests(manifest: str, cli: Any, tmp_path: Path) -> None:
+    (tmp_path / "manifest.json").write_bytes(manifest.encode("utf-8", "surrogateescape"))
+    assert "manifest" in one_line_error(cli("verify", tmp_path))
+    assert "manifest" in one_line_error(cli("inspect", tmp_path))
+
+
+def test_verify_does_not_follow_paths_out_of_the_artifact(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert cli("convert", make_llama(), "-o", out).exit_code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["outputs"].append({"path": "../../etc/hostname", "size": 1, "sha256": "0"})
+    manifest["gpu"] = None
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    result = cli("verify", out)
+    assert result.exit_code == 1 and "outside the artifact: ../../etc/hostname" in result.stderr
+    assert cli("inspect", out).exit_code == 0
+
+
+def test_damaged_checkpoint_config(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert cli("convert", make_llama(), "-o", out).exit_code == 0
+    config = json.loads((out / "config.json").read_text())
+    config["num_key_value_heads"] = 0
+    (out / "config.json").write_text(json.dumps(config))
+    assert "num_key_value_heads" in one_line_error(cli("inspect", out))
+
+
+def test_inspect_a_hugging_face_dir(cli: Any, tmp_path: Path) -> None:
+    assert cli("tiny-model", tmp_path / "hf").exit_code == 0
+    info = json.loads(cli("inspect", tmp_path / "hf", "--json").stdout)
+    assert info["kind"] == "hf-model" and info["architectures"] == ["LlamaForCausalLM"]

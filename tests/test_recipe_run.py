@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import one_line_error
+from conftest import deadline, not_a_file, nothing_written, one_line_error
 from safetensors.torch import load_file
 
 from toolchain.errors import UserError
+from toolchain.files import RECIPE_LIMIT
 from toolchain.recipe import RecipeLoader, load_recipe
 
 
@@ -192,3 +193,37 @@ def test_recipe_quantize_stage(cli: Any, stories: Path, tmp_path: Path) -> None:
     assert cli("verify", tmp_path / "o").exit_code == 0
     line = one_line_error(cli("run", recipe, "-o", tmp_path / "o2", "--set", "quantize.method=int3"))
     assert "--set quantize.method" in line
+
+
+@pytest.mark.parametrize("kind", ["huge", "fifo", "dev-zero"])
+def test_a_recipe_that_is_huge_or_not_a_file_is_refused_at_once(kind: str, cli: Any, tmp_path: Path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    if kind == "huge":
+        with recipe.open("wb") as f:
+            f.truncate(2 << 30)  # the fuzzer's recipe parsed for minutes; this one is refused unread
+    else:
+        not_a_file(recipe, kind)
+    out = tmp_path / "run"
+    with deadline(30):
+        line = one_line_error(cli("run", recipe, "-o", out))
+    assert str(recipe) in line
+    if kind == "huge":
+        assert "limit for a recipe" in line and f"{RECIPE_LIMIT >> 20}.0 MiB" in line
+    nothing_written(out)
+
+
+def test_recipe_edge_cases(cli: Any, make_llama: Any, tmp_path: Path) -> None:
+    hf = make_llama()
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model:\n  path: {hf}\n")
+    assert "--set model.nope.deep" in one_line_error(
+        cli("run", recipe, "-o", tmp_path / "o", "--set", "model.nope.deep=1")
+    )
+    assert "--set model.path.x" in one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "model.path.x=1"))
+    assert "'build:'" in one_line_error(cli("run", recipe, "-o", tmp_path / "o", "--set", "eval.data=t.txt"))
+    for bad in ("seed: '7'", "seed: 7.0", "model:\n  path: x\n  allow_pickle: 'yes'"):
+        recipe.write_text(f"{bad}\n" if bad.startswith("model") else f"model:\n  path: {hf}\n{bad}\n")
+        one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    recipe.write_bytes(b"model:\n  path: \xff\n")
+    assert "not UTF-8" in one_line_error(cli("run", recipe, "-o", tmp_path / "o"))
+    nothing_written(tmp_path / "o")

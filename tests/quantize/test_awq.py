@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED
+from conftest import WIKI
 from safetensors.torch import load_file
 
 from toolchain.checkpoint.convert import convert
@@ -33,8 +33,6 @@ from toolchain.quantize.awq import (
 )
 from toolchain.quantize.core import quantize_groupwise
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
-
-WIKI = SHARED / "wikitext-2"
 
 
 def _layer(seed: int, out_dim: int = 16, in_dim: int = 64, rows: int = 512) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from toolchain.serve.app import _finish_error
 from toolchain.serve.metrics import FINISH_REASONS
 from toolchain.serve.protocol import ApiError
 
-RUNTIME = Path(__file__).resolve().parents[1] / "toolchain" / "runtime"
+RUNTIME = Path(__file__).resolve().parents[2] / "toolchain" / "runtime"
 
 # what the server sent and logged before the enum (serve/app.py's FINISH and _STATUS tables), kept byte for byte
 WIRE = {

@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import WIKI, one_line_error
 from safetensors.torch import load_file
-from test_quantize import WIKI
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.trtllm import read_config

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import SHARED, one_line_error
+from conftest import WIKI, one_line_error
 from safetensors.torch import load_file, save_file
 
 from toolchain.checkpoint.convert import convert
@@ -17,8 +17,6 @@ from toolchain.quantize.core import unpack_int4
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.reference.model import ReferenceModel
-
-WIKI = SHARED / "wikitext-2"
 
 
 @pytest.fixture

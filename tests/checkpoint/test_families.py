@@ -1,5 +1,5 @@
-"""Every supported family, converted from random tiny configs with its distinctive features switched on, matches
-transformers through the reference forward (float32: max abs < 1e-4, identical argmax)."""
+"""What each family's conversion records and refuses: sliding windows, config fields, GPT-2's tensor prefixes, Phi-3's
+fused layout, tensor parallelism, CPU engine and refused ropes. Their parity cases are test_family_parity.py's."""
 
 from __future__ import annotations
 
@@ -8,57 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BASE, one_line_error, wide_init
+from conftest import edit_config, one_line_error
+from models import assert_matches, build, compare, hf_logits, run_alone, save_case, save_random
 from safetensors.torch import load_file, save_file
-from test_convert_llama import compare
 
-from toolchain import seeded
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.trtllm import read_config
-
-
-def _is_norm_weight(name: str) -> bool:
-    is_norm = "norm" in name or ".ln_" in name or name.startswith(("ln_f", "transformer.ln_f"))
-    return is_norm and name.endswith("weight")
-
-
-def save_random(path: Path, arch: str, seed: int = 0, **overrides: Any) -> Path:
-    import transformers
-
-    config_cls, model_cls = {
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
-        "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
-        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
-    }[arch]
-    gpt2 = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 97, "n_positions": 64}
-    base: dict[str, Any] = gpt2 if arch == "gpt2" else BASE
-    model = model_cls(config_cls(**{**base, **overrides}))
-    seeded.fill_(list(model.named_parameters()), seed, wide_init(_is_norm_weight))
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
-
-FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "mistral-sliding-window": ("mistral", {"sliding_window": 8}),
-    "qwen2-biases": ("qwen2", {}),
-    "qwen2-tied": ("qwen2", {"tie_word_embeddings": True}),
-    "qwen3-qk-norm": ("qwen3", {"head_dim": 24}),
-    "gpt2-tied": ("gpt2", {}),
-    "gpt2-untied": ("gpt2", {"tie_word_embeddings": False}),
-}
-
-
-@pytest.mark.parametrize("name", list(FAMILIES))
-def test_family_matches_transformers(name: str, tmp_path: Path) -> None:
-    arch, overrides = FAMILIES[name]
-    hf = save_random(tmp_path / "hf", arch, **overrides)
-    convert(hf, tmp_path / "ckpt")
-    max_abs, same_top1 = compare(hf, tmp_path / "ckpt", seq=40)
-    assert max_abs < 1e-4
-    assert same_top1 == 1.0
 
 
 def test_sliding_window_is_recorded_and_matters(tmp_path: Path) -> None:
@@ -135,28 +90,6 @@ def test_gpt2_exact_gelu_is_refused(cli: Any, tmp_path: Path) -> None:
 
 # --- Phi-3 (Phi3ForCausalLM): fused qkv_proj and gate_up_proj, sliding window, refused long-context rope ---------
 
-# Phi3Config's token ids default to 32000, outside the tiny vocabulary (its embedding's padding_idx must fit).
-PHI3_TOKENS: dict[str, Any] = {"pad_token_id": None, "bos_token_id": 1, "eos_token_id": 2}
-PHI3: dict[str, dict[str, Any]] = {
-    "phi3-gqa": {},
-    "phi3-window": {"sliding_window": 8},  # shorter than the test sequences: the mask differs from causal
-    "phi3-tied-mha": {"tie_word_embeddings": True, "num_key_value_heads": 8},
-}
-
-
-def save_phi3(path: Path, name: str) -> Path:
-    return save_random(path, "phi3", **PHI3_TOKENS, **PHI3[name])
-
-
-@pytest.mark.parametrize("name", list(PHI3))
-def test_phi3_matches_transformers(name: str, tmp_path: Path) -> None:
-    hf = save_phi3(tmp_path / "hf", name)
-    convert(hf, tmp_path / "ckpt")
-    max_abs, same_top1 = compare(hf, tmp_path / "ckpt", seq=40)
-    assert max_abs < 1e-4
-    assert same_top1 == 1.0
-
-
 # TensorRT-LLM's Phi-3 converter (tensorrt_llm/models/phi3/convert.py, `load_weights_from_hf_model`, lines 27-63 at
 # commit 89fd9b74; model.py's Phi3DecoderLayer): per layer, these names and shapes (H hidden, I intermediate, Q the
 # fused qkv rows), nothing else; mlp.fc is gate_up_proj with its halves swapped to [up; gate] (lines 56-63), and
@@ -177,7 +110,7 @@ TRTLLM_PHI3_OUTSIDE = {
 
 
 def test_phi3_checkpoint_has_exactly_trtllm_phi3_names_and_shapes(tmp_path: Path) -> None:
-    hf = save_phi3(tmp_path / "hf", "phi3-window")
+    hf = save_case(tmp_path / "hf", "phi3-window")
     convert(hf, tmp_path / "ckpt")
     src, out = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     cfg = read_config(tmp_path / "ckpt")
@@ -205,7 +138,7 @@ def test_a_phi3_checkpoint_in_the_old_split_layout_is_refused(cli: Any, tmp_path
     model, so every stage that reads it says to convert again."""
     import json
 
-    convert(save_phi3(tmp_path / "hf", "phi3-gqa"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "phi3-gqa"), tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), "hidden_act": "silu"}))
     for args in (["quantize", tmp_path / "ckpt", "-o", tmp_path / "q", "--method", "w8a16"],
@@ -218,7 +151,7 @@ def test_a_phi3_checkpoint_in_the_old_split_layout_is_refused(cli: Any, tmp_path
 def test_phi3_window_is_recorded_and_matters(tmp_path: Path) -> None:
     import json
 
-    hf = save_phi3(tmp_path / "hf", "phi3-window")
+    hf = save_case(tmp_path / "hf", "phi3-window")
     convert(hf, tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
     config = json.loads(path.read_text())
@@ -235,7 +168,7 @@ def test_phi3_tensor_parallel(name: str, tp: int, tmp_path: Path) -> None:
     from toolchain.reference.model import ReferenceModel
     from toolchain.reference.parallel import merge_ranks, tp_logits
 
-    hf = save_phi3(tmp_path / "hf", name)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "one")
     convert(hf, tmp_path / "tp", tp=tp)
     single = load_file(str(tmp_path / "one" / "rank0.safetensors"))
@@ -249,9 +182,8 @@ def test_phi3_tensor_parallel(name: str, tp: int, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["phi3-window", "phi3-tied-mha"])
 def test_phi3_cpu_engine_matches_transformers(name: str, tmp_path: Path) -> None:
-    from test_engine import assert_matches, build, hf_logits, run_alone
 
-    hf = save_phi3(tmp_path / "hf", name)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "ckpt")
     engine = build(tmp_path / "ckpt", tmp_path / "engine")
     ids = torch.randint(0, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -273,9 +205,8 @@ LONGROPE = {"long_factor": [1.0] * 4, "short_factor": [1.0] * 4}
 )
 def test_phi3_unsupported_rope_is_refused(changes: dict[str, Any], expected: str, cli: Any, tmp_path: Path) -> None:
     from conftest import one_line_error
-    from test_bad_input import edit_config
 
-    hf = save_phi3(tmp_path / "hf", "phi3-gqa")
+    hf = save_case(tmp_path / "hf", "phi3-gqa")
     edit_config(hf, **changes)
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
     assert expected in line and "config.json" in line

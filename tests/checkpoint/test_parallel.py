@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import one_line_error
+from conftest import convert_fails, edit_weights, one_line_error
+from models import save_random
 from safetensors.torch import load_file
-from test_bad_input import convert_fails, edit_weights
-from test_families import save_random
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.sharding import stage_layers

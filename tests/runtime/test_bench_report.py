@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SHARED, one_line_error
-from test_fuzz_findings import mooncake, tiny_engine  # noqa: F401  (the module's engine fixture)
+from conftest import SHARED, mooncake, one_line_error
 
 SMALL = {"timestamp": 0, "input_length": 1, "output_length": 1}
 LARGE = {"timestamp": 10, "input_length": 2000, "output_length": 100}  # scaled to the whole 128-token context
@@ -19,7 +18,7 @@ LARGE = {"timestamp": 10, "input_length": 2000, "output_length": 100}  # scaled 
 
 def test_failed_requests_exit_1_with_the_reason_unless_allowed(
     cli: Any,
-    tiny_engine: Path,  # noqa: F811
+    tiny_engine: Path,
     tmp_path: Path,
 ) -> None:
     trace = mooncake(tmp_path / "t.jsonl", SMALL, LARGE)
@@ -36,7 +35,7 @@ def test_failed_requests_exit_1_with_the_reason_unless_allowed(
     assert list(report["failure_reasons"].values()) == [1]
 
 
-def test_json_names_the_engine_and_every_setting(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_json_names_the_engine_and_every_setting(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:
     trace = mooncake(tmp_path / "t.jsonl", SMALL, {**SMALL, "timestamp": 5})
     result = cli("bench", tiny_engine, "--trace", trace, "--kv-blocks", "40", "--rate-scale", "4", "--json")
     assert result.exit_code == 0, result.stderr
@@ -63,7 +62,7 @@ def test_json_names_the_engine_and_every_setting(cli: Any, tiny_engine: Path, tm
     assert default["kv_blocks"] is None and default["kv_blocks_used"] > 0  # the build's pool, said so
 
 
-def test_prefix_cache_hit_rate_on_every_trace(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:  # noqa: F811
+def test_prefix_cache_hit_rate_on_every_trace(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:
     shared = {"input_length": 1536, "output_length": 4, "hash_ids": [0, 1, 2]}  # 3 Mooncake blocks of 512
     trace = mooncake(tmp_path / "t.jsonl", {**shared, "timestamp": 0}, {**shared, "timestamp": 2000})
     args = ("bench", tiny_engine, "--trace", trace, "--rate-scale", "10", "--json")
@@ -76,7 +75,7 @@ def test_prefix_cache_hit_rate_on_every_trace(cli: Any, tiny_engine: Path, tmp_p
     assert "prefix cache  44.1 % of prompt tokens (112/254)" in table
 
 
-def test_prefix_cache_hit_rate_is_reported_on_an_azure_trace(cli: Any, tiny_engine: Path) -> None:  # noqa: F811
+def test_prefix_cache_hit_rate_is_reported_on_an_azure_trace(cli: Any, tiny_engine: Path) -> None:
     """No shared prefixes in an Azure trace: the rate is there, and it is 0."""
     azure = SHARED / "traces" / "AzureLLMInferenceTrace_conv.csv"
     if not azure.is_file():
@@ -89,7 +88,7 @@ def test_prefix_cache_hit_rate_is_reported_on_an_azure_trace(cli: Any, tiny_engi
 
 def test_static_is_what_its_label_says(
     cli: Any,
-    tiny_engine: Path,  # noqa: F811
+    tiny_engine: Path,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

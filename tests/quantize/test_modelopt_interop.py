@@ -1,7 +1,7 @@
 """TensorRT-LLM checkpoints written by NVIDIA ModelOpt as input to `trtbuild build` and `eval`.
 
 The layout rules run without ModelOpt (a checkpoint of ours rewritten the way ModelOpt writes it); the end-to-end
-test runs tests/modelopt_export.py with a python that has ModelOpt (TRTBUILD_MODELOPT_PYTHON, else the venv
+test runs tests/quantize/modelopt_export.py with a python that has ModelOpt (TRTBUILD_MODELOPT_PYTHON, else the venv
 `~/.cache/trtbuild-peers/venvs/modelopt`, else this interpreter, which `make setup` gives ModelOpt) and skips, saying
 so, where none has it.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import WIKI
 from safetensors.torch import load_file, save_file
-from test_quantize import WIKI
 
 from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.checkpoint.trtllm import kv_cache_scale
@@ -160,7 +160,7 @@ def modelopt_exports(stories: Path, tmp_path_factory: pytest.TempPathFactory) ->
     if python is None:
         pytest.skip(
             "nvidia-modelopt not importable (pip install -e .[peers], or a venv at "
-            f"{PEER_VENV.parent.parent}, or TRTBUILD_MODELOPT_PYTHON); see tests/modelopt_export.py"
+            f"{PEER_VENV.parent.parent}, or TRTBUILD_MODELOPT_PYTHON); see tests/quantize/modelopt_export.py"
         )
     out = tmp_path_factory.mktemp("modelopt") / "exports"
     cmd = [python, str(HERE / "modelopt_export.py"), str(stories), "-o", str(out)]

@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import one_line_error
+from models import GEMMA3, PARITY, build, compare, hf_logits, run_alone, save_case, save_random
 from safetensors.torch import load_file
-from test_convert_llama import compare
-from test_engine import build, hf_logits, run_alone
-from test_families import save_random
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.spec import spec_of
@@ -30,35 +28,10 @@ from toolchain.reference.model import ReferenceModel
 from toolchain.reference.parallel import tp_logits
 from toolchain.text import tokenize
 
-GEMMA3: dict[str, Any] = {
-    "num_hidden_layers": 7,  # pattern 6: layers 0-4 and 6 slide, layer 5 is global
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 24,
-    "sliding_window": 6,
-    "query_pre_attn_scalar": 20,
-    "final_logit_softcapping": 30.0,
-    "rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50_000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0},
-    },
-}
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gemma3": ("gemma3", GEMMA3),
-    "gemma3-untied-no-softcap": ("gemma3", {**GEMMA3, "tie_word_embeddings": False, "final_logit_softcapping": None}),
-    "qwen2-windows": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
-    "qwen3-windows": ("qwen3", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}),
-}
 
-
-def _hf(tmp: Path, name: str) -> Path:
-    arch, overrides = CASES[name]
-    return save_random(tmp / "hf", arch, **overrides)
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [name for name, case in PARITY.items() if case.engine])
 def test_reference_and_cpu_engine_match_transformers(name: str, tmp_path: Path) -> None:
-    hf = _hf(tmp_path, name)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "ckpt")
     max_abs, same_top1 = compare(hf, tmp_path / "ckpt", seq=40)
     assert max_abs < 1e-4 and same_top1 == 1.0
@@ -70,7 +43,7 @@ def test_reference_and_cpu_engine_match_transformers(name: str, tmp_path: Path) 
 
 @pytest.mark.parametrize("name", ["gemma3", "qwen2-windows"])
 def test_tensor_parallel_forward(name: str, tmp_path: Path) -> None:
-    hf = _hf(tmp_path, name)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "one")
     convert(hf, tmp_path / "tp", tp=2)
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -79,7 +52,7 @@ def test_tensor_parallel_forward(name: str, tmp_path: Path) -> None:
 
 
 def test_gemma3_spec_and_config(tmp_path: Path) -> None:
-    convert(_hf(tmp_path, "gemma3"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "gemma3"), tmp_path / "ckpt")
     cfg = read_config(tmp_path / "ckpt")
     spec = spec_of(cfg)
     assert [ls.window for ls in spec.layers] == [6, 6, 6, 6, 6, None, 6]
@@ -125,7 +98,7 @@ def test_gemma3_hub_style_config_reads_the_same(tmp_path: Path) -> None:
 )
 def test_per_layer_windows_matter(name: str, edit: dict[str, Any], tmp_path: Path) -> None:
     """Windows shorter than the sequence change the logits: dropping them from config.json is visible."""
-    hf = _hf(tmp_path, name)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
     config = json.loads(path.read_text())
@@ -151,7 +124,7 @@ def test_per_layer_windows_matter(name: str, edit: dict[str, Any], tmp_path: Pat
     ],
 )
 def test_gemma3_refusals_are_one_line(edit: dict[str, Any], words: list[str], cli: Any, tmp_path: Path) -> None:
-    hf = _hf(tmp_path, "gemma3")
+    hf = save_case(tmp_path / "hf", "gemma3")
     path = hf / "config.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), **edit}))
     line = one_line_error(cli("convert", hf, "-o", tmp_path / "out"))
@@ -224,7 +197,7 @@ def test_a_tensor_the_spec_needs_and_the_checkpoint_lacks_is_one_line(cli: Any, 
     refused by build (and the reference) instead of running without it."""
     from safetensors.torch import save_file
 
-    convert(_hf(tmp_path, "qwen2-windows"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "qwen2-windows"), tmp_path / "ckpt")
     weights = load_rank(tmp_path / "ckpt")
     del weights["transformer.layers.1.attention.qkv.bias"]
     save_file(weights, str(tmp_path / "ckpt" / "rank0.safetensors"), {"format": "pt"})
@@ -239,7 +212,7 @@ def test_gemma3_windows_from_trtllm_pattern_alone(cli: Any, tmp_path: Path) -> N
     """A Gemma 3 checkpoint written by TensorRT-LLM or ModelOpt says which layers slide with
     `_sliding_window_pattern` only; without it and without layer_types, build refuses instead of sliding every
     layer; a sliding layer with a null window is refused too."""
-    convert(_hf(tmp_path, "gemma3"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "gemma3"), tmp_path / "ckpt")
     path = tmp_path / "ckpt" / "config.json"
     config = json.loads(path.read_text())
     del config["layer_types"]
@@ -260,7 +233,7 @@ def test_gemma3_decode_past_the_window_matches_the_full_sequence(tmp_path: Path)
     layers what a single full forward computes."""
     from toolchain.engine.contract import Batch
 
-    convert(_hf(tmp_path, "gemma3"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "gemma3"), tmp_path / "ckpt")
     engine = build(tmp_path / "ckpt", tmp_path / "engine")
     ids = torch.randint(0, engine.vocab_size, (26,), generator=torch.Generator().manual_seed(8)).tolist()
     full = run_alone(engine, ids)
@@ -274,7 +247,7 @@ def test_gemma3_decode_past_the_window_matches_the_full_sequence(tmp_path: Path)
 def test_a_scale_on_something_that_is_not_a_linear_names_the_file(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    convert(_hf(tmp_path, "qwen2-windows"), tmp_path / "ckpt")
+    convert(save_case(tmp_path / "hf", "qwen2-windows"), tmp_path / "ckpt")
     quantize_checkpoint(tmp_path / "ckpt", tmp_path / "q", QuantizeOptions("w8a16"))
     weights = load_rank(tmp_path / "q")
     weights["transformer.ln_f.weights_scaling_factor"] = torch.ones(64)

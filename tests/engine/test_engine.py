@@ -12,11 +12,8 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import one_line_error, reseal, save_random_llama
-from test_convert_llama import CONFIGS
-from test_families import FAMILIES, save_random
-from test_quantize import WIKI
-from transformers import AutoModelForCausalLM
+from conftest import WIKI, one_line_error, reseal, save_random_llama
+from models import TPB, assert_matches, build, hf_logits, run_alone, run_with_pool, save_case
 
 from toolchain.checkpoint.convert import convert
 from toolchain.engine.api import Engine as OrtEngine
@@ -27,49 +24,23 @@ from toolchain.quantize.core import FP8_E4M3_MAX, fake_quant
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
-TPB = 4  # small blocks so that short test sequences span several, with partial last blocks
+# Parity cases (models.PARITY) that also run on the CPU engine: every family of the plain decoder layer.
+CASES = [
+    "llama-gqa-4to1",
+    "llama-llama3-rope",
+    "llama-biases",
+    "mistral-sliding-window",
+    "qwen2-biases",
+    "qwen2-tied",
+    "qwen3-qk-norm",
+    "gpt2-tied",
+    "gpt2-untied",
+]
 
 
-def build(ckpt: Path, out: Path, **kw: Any) -> OrtEngine:
-    build_engine(ckpt, out, BuildOptions(backend="onnxruntime", tokens_per_block=TPB, max_batch_size=4, **kw))
-    return open_engine(out)
-
-
-def run_alone(engine: OrtEngine, ids: list[int], blocks: int = 32) -> np.ndarray:
-    """Every position's logits of one sequence in one prefill call, blocks in shuffled order."""
-    return run_with_pool(engine, ids, blocks)[0]
-
-
-def run_with_pool(engine: OrtEngine, ids: list[int], blocks: int = 32) -> tuple[np.ndarray, torch.Tensor, list[int]]:
-    """run_alone, also returning the pool it wrote and the sequence's block table."""
-    pool = engine.new_kv_cache(blocks)
-    order = torch.randperm(blocks, generator=torch.Generator().manual_seed(len(ids))).tolist()
-    table = order[: -(-len(ids) // TPB)]
-    return engine.forward(Batch.from_sequences([ids], [0], [table], all_logits=True), pool), pool, table
-
-
-def hf_logits(hf_dir: Path, ids: list[int]) -> np.ndarray:
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].numpy()
-
-
-def assert_matches(got: np.ndarray, expected: np.ndarray) -> None:
-    assert np.abs(got - expected).max() < 1e-4
-    assert (got.argmax(-1) == expected.argmax(-1)).all()
-
-
-CASES: dict[str, tuple[str, dict[str, Any]]] = {
-    **{f"llama-{k}": ("llama", v) for k, v in CONFIGS.items() if k in ("gqa-4to1", "llama3-rope", "biases")},
-    **FAMILIES,
-}
-
-
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", CASES)
 def test_cpu_engine_matches_transformers(name: str, tmp_path: Path) -> None:
-    arch, overrides = CASES[name]
-    hf = tmp_path / "hf"
-    save_random_llama(hf, **overrides) if arch == "llama" else save_random(hf, arch, **overrides)
+    hf = save_case(tmp_path / "hf", name)
     convert(hf, tmp_path / "ckpt")
     engine = build(tmp_path / "ckpt", tmp_path / "engine")
     ids = torch.randint(0, engine.vocab_size, (30,), generator=torch.Generator().manual_seed(2)).tolist()

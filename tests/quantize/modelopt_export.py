@@ -1,5 +1,5 @@
 """Quantize a Hugging Face model with NVIDIA ModelOpt and export a TensorRT-LLM checkpoint: the peer whose output
-`trtbuild build` must accept (tests/test_modelopt_interop.py, docs/conversion.md "ModelOpt checkpoints").
+`trtbuild build` must accept (tests/quantize/test_modelopt_interop.py, docs/conversion.md "ModelOpt checkpoints").
 
 Run it with a python that imports `modelopt` (nvidia-modelopt >= 0.47; it runs on CPU), for example the venv that
 `pip install -e .[peers]` makes, or one beside trtbuild's:
@@ -7,7 +7,7 @@ Run it with a python that imports `modelopt` (nvidia-modelopt >= 0.47; it runs o
     M=~/.cache/trtbuild-peers/venvs/modelopt   # ModelOpt's own venv, seeing trtbuild's torch and transformers:
     .venv/bin/python -m venv $M && echo $PWD/.venv/lib/python3.11/site-packages > $M/lib/python3.11/site-packages/t.pth
     $M/bin/pip install 'nvidia-modelopt>=0.47' requests
-    $M/bin/python tests/modelopt_export.py HF_DIR -o OUT --method fp8:fp8 --calib-data VALID.txt
+    $M/bin/python tests/quantize/modelopt_export.py HF_DIR -o OUT --method fp8:fp8 --calib-data VALID.txt
 
 Methods are ModelOpt's own configs, unchanged but for the AWQ block size: fp8 = FP8_DEFAULT_CFG, w8a8_sq =
 INT8_SMOOTHQUANT_CFG, int4_awq = INT4_AWQ_CFG; --kv-cache fp8 adds FP8_KV_CFG, int8 the same quantizers with 8 bits.

@@ -12,7 +12,7 @@ from conftest import one_line_error, save_random_llama
 
 from toolchain.checkpoint.tiny import make_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT = ROOT / "recipes" / "data" / "demo.txt"
 DEMO_GOLDEN = ROOT / "recipes" / "data" / "demo-golden.jsonl"
 

@@ -13,7 +13,7 @@ import yaml
 
 from toolchain import serve
 
-DEPLOY = Path(__file__).resolve().parents[1] / "examples" / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "examples" / "deploy"
 K8S = DEPLOY / "kubernetes"
 
 

@@ -19,7 +19,7 @@ from toolchain.evaluate.golden import TokenBytes, readable
 from toolchain.evaluate.report import markdown, page, write_reports
 from toolchain.quality import QualityReport
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT = ROOT / "recipes" / "data" / "demo.txt"
 DEMO_GOLDEN = ROOT / "recipes" / "data" / "demo-golden.jsonl"
 

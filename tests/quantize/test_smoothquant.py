@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import WIKI
+from models import save_random
 from safetensors.torch import load_file
-from test_families import save_random
-from test_quantize import WIKI
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.trtllm import load_rank, read_config

@@ -18,7 +18,7 @@ from toolchain.evaluate.diff_report import SERIES, markdown
 from toolchain.pipeline import run_recipe
 from toolchain.recipe import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEMO_TEXT = REPO / "recipes" / "data" / "demo.txt"
 GOLDEN = REPO / "recipes" / "data" / "demo-golden.jsonl"
 QUICK = ("--data", str(DEMO_TEXT), "--max-tokens", "520")  # two windows of 256

@@ -22,7 +22,7 @@ from toolchain.errors import UserError
 from toolchain.plugins import compile as plugin_compile
 from toolchain.plugins.compile import ARCHS, compile_plugins
 
-VECTORS = sorted((Path(__file__).parent / "vectors").glob("*.npz"))
+VECTORS = sorted((Path(__file__).resolve().parents[1] / "vectors").glob("*.npz"))
 HALF = {"f16": torch.float16, "bf16": torch.bfloat16}
 POOL = {"f16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.uint8, "int8": torch.int8}
 
@@ -259,7 +259,7 @@ def test_launch_refuses_what_no_kernel_does() -> None:
 
 
 def _gpu_check() -> Any:
-    path = Path(__file__).resolve().parents[1] / "plugins" / "gpu_check.py"
+    path = Path(__file__).resolve().parents[2] / "plugins" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
