@@ -25,7 +25,7 @@ from typer._click.exceptions import ClickException, UsageError
 
 from toolchain import __version__, console
 from toolchain import serve as serving  # the server's defaults (constants only; the server loads on use)
-from toolchain.engine.backends import AUTO
+from toolchain.engine.backends import AUTO, TENSORRT
 from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
 from toolchain.errors import UserError
 from toolchain.quantize.methods import (
@@ -269,7 +269,11 @@ def build(
         int, typer.Option("--max-seq-len", min=0, help="Longest sequence; 0: the model's max positions.")
     ] = 0,
     tokens_per_block: Annotated[
-        int, typer.Option("--tokens-per-block", help="KV cache block size in tokens (TensorRT: 16, 32 or 64).")
+        int,
+        typer.Option(
+            "--tokens-per-block",
+            help=f"KV cache block size in tokens (TensorRT: {_one_of(TENSORRT.tokens_per_block)}).",
+        ),
     ] = 16,
     tokenizer: Annotated[
         Path | None,
@@ -434,7 +438,7 @@ def generate(
     """Generate text with an engine through the in-flight batching runtime."""
     from toolchain.engine.api import load_tokenizer, open_engine
     from toolchain.runtime.llm_engine import LLMEngine
-    from toolchain.runtime.request import SamplingParams
+    from toolchain.runtime.request import FinishReason, SamplingParams
 
     with _handled():
         if not 0 < top_p <= 1:
@@ -451,7 +455,7 @@ def generate(
                 pieces.append(event.text)
                 if stream and not json_out and event.text:
                     typer.echo(event.text, nl=False)
-            if event.finish_reason == "error":
+            if event.finish_reason == FinishReason.ERROR:
                 raise UserError(f"generation failed: {event.error}")
     if stream and not json_out:
         typer.echo("")

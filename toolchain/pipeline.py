@@ -32,6 +32,7 @@ from toolchain.errors import UserError
 from toolchain.evaluate.diff import baseline_settings, baseline_stage
 from toolchain.evaluate.engine_eval import run_eval
 from toolchain.evaluate.gates import DIFF as DIFF_GATES
+from toolchain.evaluate.report import summary_lines
 from toolchain.evaluate.results import PLOTS as EVAL_PLOTS
 from toolchain.evaluate.results import EvalResult
 from toolchain.integrity import cached_hasher
@@ -170,8 +171,6 @@ class RunResult:
             reused = " (unchanged, reused)" if stage.get("cached") else ""
             lines.append(f"  {name:<9}{reused}{_stage_line(name, stage)}")
         if self.stages.get("eval", {}).get("quality"):
-            from toolchain.evaluate.report import summary_lines
-
             lines += ["    " + line for line in summary_lines(self.stages["eval"])]
         size = sum(e["size"] for e in self.outputs)
         lines.append(f"  {len(self.outputs)} files, {size:,} B, {self.wall_time_s:.2f} s")

@@ -11,7 +11,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # ids [batch, seq] -> logits [batch, seq, vocab]
@@ -113,6 +112,6 @@ def kld_histogram(klds: Sequence[torch.Tensor], bins: int = 24) -> tuple[list[fl
     """Counts of each series over shared log10-spaced bins from 1e-6 to the largest KLD of all (KLD spans decades;
     shared bins let series sit side by side). -> (edges [bins + 1], counts [series][bins])."""
     top = max(max(float(k.max()) for k in klds), 1e-5)
-    hi = float(np.log10(top)) + 1e-9
+    hi = math.log10(top) + 1e-9  # libm's: numpy's log10 is chosen by CPU (SIMD) and can differ by an ulp
     edges = torch.logspace(-6, hi, bins + 1, dtype=torch.float64).tolist()
     return edges, [torch.histc(k.clamp(1e-6, top).log10(), bins=bins, min=-6, max=hi).tolist() for k in klds]

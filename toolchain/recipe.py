@@ -150,7 +150,9 @@ class BuildSection(_Section):
     @field_validator("tokens_per_block")
     @classmethod
     def _block_size(cls, value: int) -> int:
-        if value not in TOKENS_PER_BLOCK:  # the engine's own set (contract.py), so a recipe fails before any stage
+        if (
+            value not in TOKENS_PER_BLOCK
+        ):  # the engine's own set (engine/geometry.py), so a recipe fails before any stage
             raise PydanticCustomError(
                 "block_size", "must be one of {sizes}", {"sizes": ", ".join(map(str, TOKENS_PER_BLOCK))}
             )

@@ -28,7 +28,7 @@ from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
 from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
 from toolchain.errors import UserError
-from toolchain.evaluate.diff_report import write_reports
+from toolchain.evaluate.diff_report import change_lines, quality_rows, speed_rows, summary_line, write_reports
 from toolchain.evaluate.engine_eval import EngineSession, Reference
 from toolchain.evaluate.gates import DIFF, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, read_golden
@@ -583,16 +583,12 @@ class DiffResult:
 
     def change_lines(self, old: Path, new: Path) -> list[str]:
         """The change table as printed before any model runs; `old`, `new`: the directories as the user named them."""
-        from toolchain.evaluate.diff_report import change_lines, summary_line
-
         r = self.to_json()
         lines = [f"diff {old} -> {new}", f"  {summary_line(r)}"]
         return lines + [f"  {s:<13}{k:<32} {a} -> {b}" for s, k, a, b in change_lines(r)]
 
     def lines(self) -> list[str]:
         """What the models showed, and the gates: printed after the change table."""
-        from toolchain.evaluate.diff_report import quality_rows, speed_rows
-
         lines = []
         if self.quality is not None:
             lines.append(f"  quality on {self.quality.new_vs_old.tokens:,} tokens of {self.data}")

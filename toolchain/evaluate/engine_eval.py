@@ -160,11 +160,10 @@ def evaluate_engine(
     )
 
 
-def built(engine_dir: Path) -> dict[str, Any]:
-    """What the engine is, from its build_config.json and manifest: method, group size, KV cache dtype, backend,
-    the manifest's sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
-
-    spec = EngineSpec.from_dir(engine_dir)
+def built(spec: EngineSpec) -> dict[str, Any]:
+    """What the engine is, from its spec and manifest: method, group size, KV cache dtype, backend, the manifest's
+    sha256, which trtbuild built it, and the TensorRT / GPU a plan is tied to."""
+    engine_dir = spec.engine_dir
     algo = spec.quantization.get("quant_algo")
     grouped = by_algo(algo, str(engine_dir / BUILD_CONFIG)) if algo else None
     compat = spec.compatibility or {}
@@ -236,7 +235,7 @@ def run_eval(
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = open_trusted(spec, backend)
     result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
-    result = replace(result, built=built(engine_dir), evaluated_with=evaluated_with(backend or spec.backend))
+    result = replace(result, built=built(spec), evaluated_with=evaluated_with(backend or spec.backend))
     if engine_label is not None:
         result = replace(result, engine_dir=str(engine_label))
     record = record or StageRecord("eval")

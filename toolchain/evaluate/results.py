@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toolchain.evaluate.report import summary_lines
 from toolchain.quality import QualityReport
 
 PLOTS = ("kld_histogram", "top1_by_position")  # in report.json; too long for a terminal or a run's summary
@@ -52,7 +53,5 @@ class EvalResult:
         return out
 
     def lines(self) -> list[str]:
-        from toolchain.evaluate.report import summary_lines
-
         lines = [f"report -> {self.report_dir} (report.md, report.html, report.json)"]
         return lines + ["  " + line for line in summary_lines(self.to_json(plots=False))]
