@@ -10,6 +10,7 @@ from typing import Any
 from toolchain.checkpoint.convert import ConvertResult
 from toolchain.engine.results import BuildResult
 from toolchain.evaluate.diff import BaselineDiff, BaselineSettings, DiffQuality, DiffResult, SideInfo
+from toolchain.evaluate.gates import GateResult
 from toolchain.evaluate.results import EvalResult
 from toolchain.pipeline import RunResult
 from toolchain.quality import QualityReport
@@ -58,7 +59,7 @@ def test_build_result_from_what_the_build_wrote() -> None:
 
 
 def _eval_result() -> EvalResult:
-    gates = [{"gate": "kld_mean_max", "metric": "kld_mean", "limit": 0.01, "value": 0.002, "pass": True}]
+    gates = [GateResult("kld_mean_max", "kld_mean", 0.01, 0.002, True)]
     histogram = {"edges": [1e-6, 1.0], "counts": [3.0]}
     return EvalResult("/e", "/ref", "/d.txt", 256, QUALITY, None, 0, [], gates, True, histogram, [1.0, 0.5])
 

@@ -83,8 +83,8 @@ def test_recipe_gates_are_eval_or_diff_gates() -> None:
 
 
 def test_one_checker_for_both_tables() -> None:
-    assert gates.check({"top1_min": 0.9}, {"same_top1": 0.95}, gates.EVAL)[0]["pass"]
-    assert not gates.check({"throughput_ratio_min": 1.0}, {"throughput_ratio": None}, gates.DIFF)[0]["pass"]
+    assert gates.check({"top1_min": 0.9}, {"same_top1": 0.95}, gates.EVAL)[0].passed
+    assert not gates.check({"throughput_ratio_min": 1.0}, {"throughput_ratio": None}, gates.DIFF)[0].passed
     with pytest.raises(UserError, match="gate golden_exact_min needs golden_exact, which was not computed"):
         gates.check({"golden_exact_min": 0.5}, {}, gates.EVAL, missing="was not computed")
     with pytest.raises(UserError, match="unknown gate 'x'; choose from kld_mean_max, top1_min"):

@@ -123,12 +123,13 @@ def test_an_engine_kept_alone_leaves_unknowns_not_changes(cli: Any, builds: dict
 def test_gate_limits_are_inclusive_and_a_missing_value_fails() -> None:
     gates = {"kld_vs_old_max": 0.5, "top1_vs_old_min": 0.5, "ttft_p90_ratio_max": 1.0, "throughput_ratio_min": 1.0}
     at_limit = {"kld_mean": 0.5, "same_top1": 0.5, "ttft_p90_ratio": 1.0, "throughput_ratio": 1.0}
-    assert all(g["pass"] for g in check_gates(gates, at_limit))
+    assert all(g.passed for g in check_gates(gates, at_limit))
     past = {"kld_mean": 0.5000001, "same_top1": 0.4999999, "ttft_p90_ratio": 1.0000001, "throughput_ratio": 0.9999}
-    assert not any(g["pass"] for g in check_gates(gates, past))
+    assert not any(g.passed for g in check_gates(gates, past))
     missing = check_gates({"throughput_ratio_min": 0.0}, {"throughput_ratio": None})
-    assert missing == [{"gate": "throughput_ratio_min", "metric": "throughput_ratio", "limit": 0.0, "value": None,
-                        "pass": False}]  # fmt: skip
+    assert [g.to_json() for g in missing] == [
+        {"gate": "throughput_ratio_min", "metric": "throughput_ratio", "limit": 0.0, "value": None, "pass": False}
+    ]
 
 
 def test_report_markdown_keeps_its_tables_whatever_the_text(cli: Any, builds: dict[str, Path]) -> None:

@@ -30,7 +30,7 @@ from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenize
 from toolchain.errors import UserError
 from toolchain.evaluate.diff_report import change_lines, quality_rows, speed_rows, summary_line, write_reports
 from toolchain.evaluate.engine_eval import EngineSession, Reference
-from toolchain.evaluate.gates import DIFF, check, check_limit
+from toolchain.evaluate.gates import DIFF, GateResult, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
 from toolchain.quality import QualityReport, kld_histogram, summarize, token_stats
@@ -511,7 +511,7 @@ def check_gate_names(gates: dict[str, float], opts: DiffOptions, have_data: bool
             raise UserError(f"gate {gate} needs {DIFF[gate].metric}, which this diff would not compute; {why}")
 
 
-def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
+def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[GateResult]:
     return check(gates, metrics, DIFF)
 
 
@@ -553,7 +553,7 @@ class DiffResult:
     golden: list[dict[str, Any]] | None = None
     golden_same: float | None = None
     speed: dict[str, Any] | None = None
-    gates: list[dict[str, Any]] | None = None  # None: not checked yet (the change table alone, `on_changes`)
+    gates: list[GateResult] | None = None  # None: not checked yet (the change table alone, `on_changes`)
     passed: bool = True
     report_dir: str | None = None
 
@@ -576,7 +576,7 @@ class DiffResult:
             "speed": self.speed,
         }
         if self.gates is not None:
-            out.update(gates=self.gates, passed=self.passed)
+            out.update(gates=[g.to_json() for g in self.gates], passed=self.passed)
         if self.report_dir is not None:
             out["report_dir"] = self.report_dir
         return out
@@ -606,8 +606,8 @@ class DiffResult:
             lines.append(f"    {'':<14}{'OLD':>10}{'NEW':>10}{'NEW/OLD':>10}")
             lines += [f"    {a:<14}{b:>10}{c:>10}{d:>10}" for a, b, c, d in speed_rows(s)]
         lines += [
-            f"  gate {g['gate']:<21} {'-' if g['value'] is None else format(g['value'], '.6g')} vs {g['limit']:g}: "
-            f"{'pass' if g['pass'] else 'FAIL'}"
+            f"  gate {g.gate:<21} {'-' if g.value is None else format(g.value, '.6g')} vs {g.limit:g}: "
+            f"{'pass' if g.passed else 'FAIL'}"
             for g in self.gates or []
         ]
         if self.report_dir:
@@ -660,7 +660,7 @@ def diff(
     if result.speed is not None:
         metrics.update(result.speed["ratios"])
     checked = check_gates(gates, metrics)
-    return replace(result, gates=checked, passed=all(g["pass"] for g in checked))
+    return replace(result, gates=checked, passed=all(g.passed for g in checked))
 
 
 def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: DiffResult) -> DiffResult:
@@ -715,7 +715,7 @@ def run_diff(
         old_manifest_sha256=result.old.manifest_sha256,
         new_manifest_sha256=result.new.manifest_sha256,
         changed=result.changed,
-        gates=result.gates,
+        gates=None if result.gates is None else [g.to_json() for g in result.gates],
         passed=result.passed,
     )
     with atomic_dir(out_dir, force, inputs=(old_dir, new_dir)) as tmp:
@@ -757,11 +757,11 @@ class BaselineDiff:
     changed: int
     quality: dict[str, Any] | None  # {"new_vs_old": QualityReport dict}, or None without eval data
     golden_same: float | None
-    gates: list[dict[str, Any]]
+    gates: list[GateResult]
     passed: bool
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "gates": [g.to_json() for g in self.gates]}
 
 
 def baseline_settings(section: Any) -> BaselineSettings | None:

@@ -17,7 +17,7 @@ from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenize
 from toolchain.engine.contract import Batch
 from toolchain.engine.geometry import blocks_for
 from toolchain.errors import UserError
-from toolchain.evaluate.gates import EVAL, check, check_limit
+from toolchain.evaluate.gates import EVAL, GateResult, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
 from toolchain.evaluate.report import write_reports
 from toolchain.evaluate.results import EvalResult
@@ -105,7 +105,7 @@ class Reference:
         return generated
 
 
-def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[dict[str, Any]]:
+def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[GateResult]:
     return check(gates, metrics, EVAL, missing="this evaluation did not compute (golden prompts?)")
 
 
@@ -154,7 +154,7 @@ def evaluate_engine(
         golden_prompts=len(golden_results),
         golden=golden_results,
         gates=gate_results,
-        passed=all(g["pass"] for g in gate_results),
+        passed=all(g.passed for g in gate_results),
         kld_histogram=_histogram(stats["kld"].reshape(-1)),
         top1_by_position=stats["top1"].mean(0).tolist(),
     )
@@ -243,7 +243,7 @@ def run_eval(
         quality=result.quality.to_dict(),
         golden_exact=result.golden_exact,
         golden_prompts=result.golden_prompts,
-        gates=result.gates,
+        gates=[g.to_json() for g in result.gates],
         passed=result.passed,
         built=result.built,
     )

@@ -53,13 +53,27 @@ def check_limit(gate: str, limit: float, table: Mapping[str, Gate]) -> Gate:
     return found
 
 
+@dataclass(frozen=True)
+class GateResult:
+    """One gate checked: its metric's value against its limit. `to_json()`: the reports' and manifests' record."""
+
+    gate: str
+    metric: str
+    limit: float
+    value: float | None  # None: the metric was not computed (the gate fails)
+    passed: bool  # "pass" in JSON
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gate": self.gate, "metric": self.metric, "limit": self.limit, "value": self.value, "pass": self.passed}
+
+
 def check(
     gates: Mapping[str, float],
     metrics: Mapping[str, float | None],
     table: Mapping[str, Gate],
     missing: str | None = None,
-) -> list[dict[str, Any]]:
-    """One result per gate: {gate, metric, limit, value, pass}. A metric that was not computed fails its gate, or,
+) -> list[GateResult]:
+    """One result per gate. A metric that was not computed fails its gate, or,
     with `missing` (why it would be absent), is an error."""
     results = []
     for gate, limit in gates.items():
@@ -70,5 +84,5 @@ def check(
         if value is None and missing is not None:
             raise UserError(f"gate {gate} needs {metric}, which {missing}")
         ok = table[gate].passes(value, limit)
-        results.append({"gate": gate, "metric": metric, "limit": limit, "value": value, "pass": ok})
+        results.append(GateResult(gate, metric, limit, value, ok))
     return results

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from toolchain.evaluate.gates import GateResult
 from toolchain.evaluate.report import summary_lines
 from toolchain.quality import QualityReport
 
@@ -22,7 +23,7 @@ class EvalResult:
     golden_exact: float | None  # fraction of golden prompts replayed exactly; None without --golden
     golden_prompts: int
     golden: list[dict[str, Any]]  # per prompt: evaluate.golden.compare's record
-    gates: list[dict[str, Any]]  # per gate: gate, metric, limit, value, pass
+    gates: list[GateResult]
     passed: bool
     kld_histogram: dict[str, list[float]]
     top1_by_position: list[float]
@@ -42,7 +43,7 @@ class EvalResult:
             "golden_exact": self.golden_exact,
             "golden_prompts": self.golden_prompts,
             "golden": self.golden,
-            "gates": self.gates,
+            "gates": [g.to_json() for g in self.gates],
             "passed": self.passed,
         }
         if plots:
