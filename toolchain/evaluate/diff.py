@@ -84,10 +84,6 @@ class Side:
     spec: EngineSpec  # its build_config.json, checked against its manifest
 
     @property
-    def build_config(self) -> dict[str, Any]:
-        return self.spec.to_config()
-
-    @property
     def recipe(self) -> dict[str, Any] | None:
         """The recipe as written (paths relative to the recipe file, so two checkouts compare equal) where the run
         recorded it, else the resolved one (absolute paths)."""
@@ -218,7 +214,7 @@ def _weight_method(algo: Any) -> QuantMethod | None:
 def _quantization(side: Side) -> dict[str, Any]:
     """The quantization facts; a field that does not apply to this side's method is absent (None, shown '-'), never
     config.json's default (an unquantized build has no group size, only grouped methods have one)."""
-    q = side.build_config.get("quantization") or {}
+    q = side.spec.quantization
     quantized = bool(q.get("quant_algo") or q.get("kv_cache_quant_algo"))
     weights = _weight_method(q.get("quant_algo"))
     quantize = side.manifests.get("quantize")
@@ -228,7 +224,7 @@ def _quantization(side: Side) -> dict[str, Any]:
         "method": details.get("method") or (None if quantized else "none"),
         "quant_algo": q.get("quant_algo") or "none",
         "group_size": q.get("group_size") if weights is not None and weights.grouped else None,
-        "kv_cache": (side.build_config.get("kv_cache") or {}).get("dtype"),
+        "kv_cache": side.spec.kv_cache.dtype,
         "kv_cache_quant_algo": q.get("kv_cache_quant_algo") or "none",
         "pre_quant_scale": q.get("pre_quant_scale") if weights is not None else None,
         "smoothquant_alpha": details.get("smoothquant_alpha")
@@ -246,11 +242,17 @@ def _quantization(side: Side) -> dict[str, Any]:
 
 
 def _build(side: Side) -> dict[str, Any]:
-    c = side.build_config
-    keys = ("backend", "dtype", "checkpoint_dtype", "architecture", "vocab_size", "num_layers")
-    out = {k: c.get(k) for k in keys}
-    out.update({f"limits.{k}": v for k, v in (c.get("limits") or {}).items()})
-    out["kv_cache.block_shape"] = (c.get("kv_cache") or {}).get("block_shape")
+    spec = side.spec
+    out: dict[str, Any] = {
+        "backend": spec.backend,
+        "dtype": spec.dtype,
+        "checkpoint_dtype": spec.checkpoint_dtype,
+        "architecture": spec.architecture,
+        "vocab_size": spec.vocab_size,
+        "num_layers": spec.num_layers,
+    }
+    out.update({f"limits.{k}": v for k, v in spec.limits.to_json().items()})
+    out["kv_cache.block_shape"] = list(spec.kv_cache.block_shape)  # a list, as build_config.json holds it
     return out
 
 
@@ -264,7 +266,7 @@ def _versions(side: Side) -> dict[str, Any]:
     out = {"trtbuild": tool.get("version"), "trtbuild commit": tool.get("git_commit")}
     out.update({k: v for k, v in sorted((m.get("packages") or {}).items())})
     out.update({"gpu": gpu.get("name"), "driver": gpu.get("driver_version"), "cuda": gpu.get("cuda_version")})
-    out.update({f"plan.{k}": v for k, v in sorted((side.build_config.get("compatibility") or {}).items())})
+    out.update({f"plan.{k}": v for k, v in sorted((side.spec.compatibility or {}).items())})
     return out
 
 
@@ -323,7 +325,7 @@ def changes(old: Side, new: Side) -> list[dict[str, Any]]:
 
 def quality_refusal(old: Side, new: Side) -> str | None:
     """Why the two engines cannot be compared token for token (from their build configs), or None."""
-    a, b = ((s.build_config.get("architecture"), s.build_config.get("vocab_size")) for s in (old, new))
+    a, b = ((s.spec.architecture, s.spec.vocab_size) for s in (old, new))
     if a != b:
         return (
             f"OLD is {a[0]} with a vocabulary of {a[1]}, NEW is {b[0]} with {b[1]}: different models, so KLD and "
