@@ -194,6 +194,16 @@ NOT_A_FILE_ERRORS = {
 
 
 @pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny demo Llama (Hugging Face format), made once per test module."""
+    from toolchain.checkpoint.tiny import make_tiny_llama
+
+    hf = tmp_path_factory.mktemp("tiny") / "hf"
+    make_tiny_llama(hf, seed=0)
+    return hf
+
+
+@pytest.fixture(scope="module")
 def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CPU engine of the tiny demo Llama, built once per test module (tests copy it before damaging it)."""
     from toolchain.checkpoint.convert import convert

@@ -10,18 +10,9 @@ from typing import Any
 import pytest
 from conftest import one_line_error, save_random_llama
 
-from toolchain.checkpoint.tiny import make_tiny_llama
-
 ROOT = Path(__file__).resolve().parents[2]
 DEMO_TEXT = ROOT / "recipes" / "data" / "demo.txt"
 DEMO_GOLDEN = ROOT / "recipes" / "data" / "demo-golden.jsonl"
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    hf = tmp_path_factory.mktemp("tiny") / "hf"
-    make_tiny_llama(hf, seed=0)
-    return hf
 
 
 @pytest.fixture(scope="module")

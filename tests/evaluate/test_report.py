@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from conftest import reseal
 
-from toolchain.checkpoint.tiny import byte_level_tokenizer, make_tiny_llama
+from toolchain.checkpoint.tiny import byte_level_tokenizer
 from toolchain.evaluate.golden import TokenBytes, readable
 from toolchain.evaluate.report import markdown, page, write_reports
 from toolchain.quality import QualityReport
@@ -211,13 +211,6 @@ def test_plots_start_at_zero() -> None:
 
 
 # ---- end to end on the demo tiny model ----------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    hf = tmp_path_factory.mktemp("tiny") / "hf"
-    make_tiny_llama(hf, seed=0)
-    return hf
 
 
 @pytest.fixture(scope="module")

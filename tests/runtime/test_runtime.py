@@ -174,17 +174,6 @@ def test_block_manager_refcounts_and_prefix_sharing() -> None:
     assert watermarked.can_allocate(95) and not watermarked.can_allocate(96)
 
 
-@pytest.fixture(scope="module")
-def tiny_engine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from toolchain.checkpoint.tiny import make_tiny_llama
-
-    tmp = tmp_path_factory.mktemp("tiny-rt")
-    make_tiny_llama(tmp / "hf", seed=0)
-    convert(tmp / "hf", tmp / "ckpt")
-    build_engine(tmp / "ckpt", tmp / "engine", BuildOptions(backend="onnxruntime", max_seq_len=128, max_batch_size=4))
-    return tmp / "engine"
-
-
 def test_generate_and_bench_cli(cli: Any, tiny_engine: Path, tmp_path: Path) -> None:
     result = cli("generate", tiny_engine, "--prompt", "The build farm", "--max-new-tokens", "8", "--json")
     assert result.exit_code == 0, result.stderr
