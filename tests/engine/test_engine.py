@@ -35,6 +35,8 @@ CASES = [
     "qwen3-qk-norm",
     "gpt2-tied",
     "gpt2-untied",
+    "phi3-window",
+    "phi3-tied-mha",
 ]
 
 
