@@ -10,6 +10,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+# The Triton kernels (toolchain/plugins/kernels) run on CPU tensors under Triton's interpreter, which `triton.jit`
+# chooses when it decorates: set before anything imports them. Compiling them to PTX needs the opposite, so the
+# tests that compile do it in a subprocess without this variable.
+os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
