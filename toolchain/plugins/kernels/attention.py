@@ -98,6 +98,6 @@ def paged_attention(
     dims = scalars(a, t, new_lens.shape[0], block_tables.shape[1], kv_cache.shape[1])
     attention_kernel[grid(a, t)](
         q, position_ids, context_lens, new_lens, block_tables, kv_cache, *dims, out,
-        **constexprs(a, activation), num_warps=NUM_WARPS,
+        **constexprs(a, activation), num_warps=NUM_WARPS, **common.OPTIONS,
     )  # fmt: skip
     return out

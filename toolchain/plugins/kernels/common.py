@@ -157,4 +157,9 @@ def common_signature(activation: str, kv_cache_dtype: str, first: str, out: str)
     }
 
 
+# Compile options of every launch, native or ahead of time (the PTX TensorRT gets must be the code the GPU check
+# ran). No fused multiply-add contraction: a rotated key then rounds as the reference's separate products do, so
+# its int8 / fp8 code is the reference's, on every SM (attention's cost is its memory traffic, not these flops).
+OPTIONS = {"enable_fp_fusion": False}
+
 SCALARS = ("num_tokens", "num_seqs", "max_blocks", "num_blocks", "layer", "kv_scale_bits")

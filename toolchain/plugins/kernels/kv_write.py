@@ -98,6 +98,6 @@ def kv_cache_write(
     dims = scalars(a, t, new_lens.shape[0], block_tables.shape[1], kv_cache.shape[1])
     kv_write_kernel[grid(a, t)](
         qkv, position_ids, context_lens, new_lens, block_tables, kv_cache, *dims, q,
-        **constexprs(a, activation), num_warps=NUM_WARPS,
+        **constexprs(a, activation), num_warps=NUM_WARPS, **common.OPTIONS,
     )  # fmt: skip
     return q
