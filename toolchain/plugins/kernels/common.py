@@ -101,14 +101,28 @@ def decode_fp8(code, scale):
 
 
 @triton.jit
+def cast(x, dtype: tl.constexpr):
+    """x.to(dtype), rounded to nearest (ties to even) on every backend, as torch rounds: triton 3.9's interpreter
+    truncates fp32 to bf16 (its cast passes no rounding mode), where a GPU's cvt.rn.bf16.f32 rounds. NaN stays
+    NaN (0x7fc0)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        rounded = tl.where(x != x, 0x7FC0, rounded)
+        return rounded.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def encode(x, scale, KV: tl.constexpr, dtype: tl.constexpr):
-    """A float tile to the pool's storage type `dtype` (KV_FLOAT: a plain cast)."""
+    """A float tile to the pool's storage type `dtype` (KV_FLOAT: a cast, rounded to nearest)."""
     if KV == 1:
         return encode_int8(x, scale)
     elif KV == 2:
         return encode_fp8(x, scale)
     else:
-        return x.to(dtype)
+        return cast(x, dtype)
 
 
 @triton.jit
