@@ -178,7 +178,7 @@ def kv_write_kernel(
     # kv rows (row - NUM_HEADS) run over K's heads then V's: exactly a block's [2, kv_heads] leading dims
     kv_row = (row - NUM_HEADS).to(tl.int64)
     block_row = ((tl.cast(layer, tl.int64) * num_blocks + block) * (2 * NUM_KV_HEADS) + kv_row) * TOKENS_PER_BLOCK
-    dst = kv_cache + (block_row + pos % TOKENS_PER_BLOCK + 1)[:, None] * HEAD_SIZE + i[None, :]
+    dst = kv_cache + (block_row + pos % TOKENS_PER_BLOCK)[:, None] * HEAD_SIZE + i[None, :]
     # tl.where, not `&`: a tile `&` a scalar int1 yields int32 data in triton 3.9's interpreter, refused as a mask
     is_kv = tl.where(owned, inside & (row >= NUM_HEADS)[:, None], False)
     scale = kv_scale_bits.to(tl.float32, bitcast=True)
