@@ -172,7 +172,7 @@ def kv_write_kernel(
     seq, _ = common.sequence_of(t, new_lens, num_seqs)
     column = pos // TOKENS_PER_BLOCK
     in_table = (pos >= 0) & (column < max_blocks)
-    block = tl.load(block_tables + seq.to(tl.int64) * max_blocks + column + 1, mask=in_table, other=-1)
+    block = tl.load(block_tables + seq.to(tl.int64) * max_blocks + column, mask=in_table, other=-1)
     owned = in_table & (block >= 0) & (block < num_blocks)  # never write outside the pool, whatever the table says
     # (tl.cast: an int argument a native launch specializes to a constexpr, such as layer 1, has no .to)
     # kv rows (row - NUM_HEADS) run over K's heads then V's: exactly a block's [2, kv_heads] leading dims
