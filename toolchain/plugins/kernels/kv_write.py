@@ -180,7 +180,7 @@ def kv_write_kernel(
     block_row = ((tl.cast(layer, tl.int64) * num_blocks + block) * (2 * NUM_KV_HEADS) + kv_row) * TOKENS_PER_BLOCK
     dst = kv_cache + (block_row + pos % TOKENS_PER_BLOCK)[:, None] * HEAD_SIZE + i[None, :]
     # tl.where, not `&`: a tile `&` a scalar int1 yields int32 data in triton 3.9's interpreter, refused as a mask
-    is_kv = tl.where(owned, (row < ROWS)[:, None] & (row >= NUM_HEADS)[:, None] & (i < BLOCK_HALF)[None, :], False)
+    is_kv = tl.where(owned, inside & (row >= NUM_HEADS)[:, None], False)
     scale = kv_scale_bits.to(tl.float32, bitcast=True)
     tl.store(dst, common.encode(y1, scale, KV, kv_cache.dtype.element_ty), mask=is_kv)
     tl.store(dst + HALF, common.encode(y2, scale, KV, kv_cache.dtype.element_ty), mask=is_kv)
