@@ -129,9 +129,9 @@ def make_batch(tpb: int, gen: torch.Generator) -> Batch:
     )
 
 
-def empty_pool(a: AttentionAttrs, num_blocks: int, dtype: torch.dtype) -> torch.Tensor:
+def empty_pool(a: AttentionAttrs, num_blocks: int, dtype: torch.dtype, layers: int = LAYERS) -> torch.Tensor:
     """A pool whose every slot holds what no write gives: NaN, fp8's NaN code, int8's unused -128."""
-    shape = (LAYERS, num_blocks, 2, a.num_kv_heads, a.tokens_per_block, a.head_size)
+    shape = (layers, num_blocks, 2, a.num_kv_heads, a.tokens_per_block, a.head_size)
     fill = {torch.int8: INT8_SENTINEL, torch.uint8: FP8_NAN}.get(dtype, math.nan)
     return torch.full(shape, fill, dtype=dtype)
 
@@ -226,7 +226,7 @@ def test_kernel_matches_the_reference_and_writes_only_the_batch_s_slots(case: Ca
         assert (ref_pool[written] != INT8_SENTINEL).all()  # so a slot the kernel left unwritten would show
 
 
-@pytest.mark.parametrize(("rotary", "head_size"), [("neox", 128), ("linear", 24), ("llama3", 128), ("llama3", 96)])
+@pytest.mark.parametrize(("rotary", "head_size"), [("neox", 256), ("linear", 24), ("llama3", 128), ("llama3", 96)])
 def test_rotary_is_the_reference_s_formula_with_correctly_rounded_cos_sin(rotary: str, head_size: int) -> None:
     """Bit for bit, fp32 in and out, positions up to 500,000: rope.apply_rotary with the reference's own fp32
     angles (rope.inv_freq, one fp32 product) and their cos / sin correctly rounded to fp32 (float64 cos, sin).
@@ -311,11 +311,12 @@ def test_the_entry_point_refuses_a_pool_it_cannot_write_in_place() -> None:
 @pytest.mark.parametrize("block", [-1, 3])
 def test_a_block_outside_the_pool_is_never_written(block: int) -> None:
     """A table entry outside [0, num_blocks) (a corrupt table: the reference op would fail to index it) writes
-    nothing anywhere; q is still written."""
+    nothing anywhere, not even past the pool's end (the pool is the front of a larger buffer, whose tail a write
+    to block num_blocks of the last layer would hit); q is still written."""
     a = AttentionAttrs(layer=LAYER, num_heads=2, num_kv_heads=1, head_size=8, tokens_per_block=16, rotary_style="none")
     qkv = torch.randn(1, 32, generator=torch.Generator().manual_seed(3))
     pos, one = torch.tensor([5], dtype=torch.int32), torch.ones(1, dtype=torch.int32)
-    pool = empty_pool(a, 3, torch.float32)
-    q = kv_write.kv_cache_write(a, qkv, pos, pos + 1, one, torch.tensor([[block]], dtype=torch.int32), pool)
-    assert torch.equal(bits(pool), bits(empty_pool(a, 3, torch.float32)))
+    buffer = empty_pool(a, 3, torch.float32, layers=LAYERS + 1)
+    q = kv_write.kv_cache_write(a, qkv, pos, pos + 1, one, torch.tensor([[block]], dtype=torch.int32), buffer[:LAYERS])
+    assert torch.equal(bits(buffer), bits(empty_pool(a, 3, torch.float32, layers=LAYERS + 1)))
     assert torch.equal(q, qkv[:, :16])
