@@ -660,7 +660,7 @@ app.add_typer(plugins_app, name="plugins")
 @plugins_app.command(
     "compile",
     epilog="Example: `trtbuild plugins compile --arch sm_90 --json` (no GPU needed: the triton wheel ships ptxas). "
-    "Cold, every SM: a few minutes on 2 cores; cached afterwards (docs/kernels.md).",
+    "Cold, every SM: about 2 minutes on 2 cores; cached afterwards (docs/kernels.md).",
 )
 def plugins_compile(
     arch: Annotated[
@@ -679,8 +679,11 @@ def plugins_compile(
     the PTX TensorRT loads and a cubin per SM; report each kernel's registers, spills, shared memory and threads.
 
     The PTX is Triton's with its two hidden scratch parameters removed (TensorRT passes only inputs, int32 extra
-    arguments and outputs) and the PTX ISA version set per SM; the resources are ptxas' on that PTX. Results are
-    cached by a hash of the kernel sources, Triton version, variant and SM: an unchanged kernel is not recompiled.
+    arguments and outputs) and the PTX ISA version set per SM (8.0 up to sm_90, 8.6 sm_100, 8.7 sm_120: loadable by
+    any driver that runs the GPU); the cubin and resources are ptxas' on that PTX. `--json` adds per kernel its
+    spill stores and loads, stack, PTX parameter list and ISA, and the .ptx / .cubin paths under --out. Results are
+    cached there by a hash of the kernel sources, Triton version, variant and SM: an unchanged kernel is not
+    recompiled, and the engine build reads the same cache for the variant it needs.
     """
     from toolchain.plugins.compile import ARCHS, cache_dir, compile_variants, summary
 
@@ -695,11 +698,13 @@ def plugins_compile(
     lines = [
         f"triton {info['triton']} (ptxas {', '.join(info['ptxas'])}): {info['kernels']} kernels, "
         f"{info['compiled']} compiled ({info['compile_s']} s of compile), the rest cached in {out_dir}",
-        f"{'SM':<7} {'variant':<24} {'kernel':<17} {'regs':>4} {'spills':>6} {'shared':>7} {'threads':>7}",
     ]
+    v = max([len("variant"), *(len(j.variant) for j, _ in results)])
+    n = max([len("kernel"), *(len(k.name) for _, k in results)])
+    lines.append(f"{'SM':<7} {'variant':<{v}} {'kernel':<{n}} {'regs':>4} {'spills':>6} {'shared':>7} {'threads':>7}")
     for j, k in results:
         lines.append(
-            f"{j.arch:<7} {j.variant:<24} {k.name:<17} {k.registers:>4} {k.spills:>6} {k.shared_bytes:>7} "
+            f"{j.arch:<7} {j.variant:<{v}} {k.name:<{n}} {k.registers:>4} {k.spills:>6} {k.shared_bytes:>7} "
             f"{k.threads:>7}"
         )
     lines.append(f"spills: {info['spills']} bytes in all")
