@@ -81,6 +81,9 @@ def test_every_variant_compiles_for_every_sm_without_spills(compiled: dict[str, 
     for arch, _, op, r in records:
         assert r["threads"] == r["num_warps"] * 32 == KERNELS[op].NUM_WARPS * 32
         assert r["registers"] > 0 and r["static_shared_bytes"] == 0 and r["stack_bytes"] == 0
+        # beyond 48 KiB of dynamic shared memory a launch needs cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
+        # first, which TensorRT's ahead-of-time launch is not known to make (docs/kernels.md)
+        assert r["shared_bytes"] <= 48 * 1024, (arch, op, r["shared_bytes"])
         assert r["ptx_version"] == "{}.{}".format(*divmod(aot.PTX_ISA[int(arch[3:])], 10))
     assert compiled["triton"] == "3.9.0"
 
