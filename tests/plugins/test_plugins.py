@@ -78,7 +78,10 @@ def test_every_variant_compiles_for_every_sm_without_spills(compiled: dict[str, 
     assert compiled["kernels"] == len(records) == len(aot.ARCHS) * len(aot.VARIANTS) * len(KERNELS)
     spilling = [(a, v, op, r["spill_stores"], r["spill_loads"]) for a, v, op, r in records if r["spills"]]
     assert not spilling and compiled["spills"] == 0
+    fields = {"name", "registers", "spill_stores", "spill_loads", "spills", "shared_bytes", "static_shared_bytes"}
+    fields |= {"stack_bytes", "threads", "num_warps", "params", "ptx_version", "cached", "compile_s", "key", "ptx"}
     for arch, _, op, r in records:
+        assert set(r) == fields | {"cubin"}, set(r) ^ (fields | {"cubin"})
         assert r["threads"] == r["num_warps"] * 32 == KERNELS[op].NUM_WARPS * 32
         assert r["registers"] > 0 and r["static_shared_bytes"] == 0 and r["stack_bytes"] == 0
         # beyond 48 KiB of dynamic shared memory a launch needs cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)

@@ -41,6 +41,13 @@ KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 PTX_ISA = {80: 80, 86: 80, 89: 80, 90: 80, 100: 86, 120: 87}
 ARCHS = tuple(f"sm_{cap}" for cap in PTX_ISA)
 
+# Every pointer argument is declared 16-byte aligned (Triton's tt.divisibility), as Triton's own launcher declares
+# any pointer it finds so aligned (torch's allocations always are): without it every global load is a scalar 2-byte
+# one (measured: the sm_90 attention kernel's 80 ld.global.b16 become 10 ld.global.v4), and the PTX TensorRT runs
+# would not be the code the GPU check ran. TensorRT's tensors are 256-byte aligned (its allocations, and the
+# addresses setTensorAddress accepts); the plugins' inputs and outputs are whole tensors, never offset views.
+POINTER_ALIGNMENT = 16
+
 
 def cache_dir() -> Path:
     """$XDG_CACHE_HOME/trtbuild/plugins (~/.cache/trtbuild/plugins): shared by the CLI, the engine build and the
@@ -96,11 +103,6 @@ class CompiledKernel:
     def spills(self) -> int:
         return self.spill_stores + self.spill_loads
 
-    def record(self) -> dict[str, Any]:
-        """The JSON record (no PTX or cubin bytes)."""
-        d = {k: v for k, v in asdict(self).items() if k not in ("ptx", "cubin")}
-        return {**d, "spills": self.spills}
-
 
 def _check_compilable(op: str) -> Any:
     from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS
@@ -142,6 +144,11 @@ def _options(module: Any, cap: int) -> dict[str, Any]:
     return {"num_warps": module.NUM_WARPS, **common.OPTIONS, "ptx_version": PTX_ISA[cap]}
 
 
+def _alignment(signature: dict[str, str]) -> dict[tuple[int], list[list[Any]]]:
+    """ASTSource's attrs: POINTER_ALIGNMENT on every pointer parameter."""
+    return {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i, t in enumerate(signature.values()) if t[0] == "*"}
+
+
 def _key(op: str, attrs: AttentionAttrs, activation: str, cap: int, digest: str) -> str:
     import triton
 
@@ -158,6 +165,7 @@ def _key(op: str, attrs: AttentionAttrs, activation: str, cap: int, digest: str)
         "constexprs": module.constexprs(attrs, activation),
         "arch": cap,
         "options": _options(module, cap),
+        "alignment": POINTER_ALIGNMENT,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=repr).encode()).hexdigest()[:20]
 
@@ -173,6 +181,7 @@ def _write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the cache from other users of a shared --out
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -224,7 +233,8 @@ def compile_kernel(
     signature = module.signature(attrs, activation)
     constexprs = module.constexprs(attrs, activation)
     options = _options(module, cap)
-    compiled = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", cap, 32), options=options)
+    source = ASTSource(fn, signature, constexprs, _alignment(signature))
+    compiled = triton.compile(source, target=GPUTarget("cuda", cap, 32), options=options)
     md = compiled.metadata
     name = md.name
     for what, size in (("global", md.global_scratch_size), ("profile", md.profile_scratch_size)):
