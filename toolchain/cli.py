@@ -660,7 +660,7 @@ app.add_typer(plugins_app, name="plugins")
 @plugins_app.command(
     "compile",
     epilog="Example: `trtbuild plugins compile --arch sm_90 --json` (no GPU needed: the triton wheel ships ptxas). "
-    "Cold, every SM: about 2 minutes on 2 cores; cached afterwards (docs/kernels.md).",
+    "Cold, every SM: 1 to 2 minutes on 2 cores; cached afterwards (docs/kernels.md).",
 )
 def plugins_compile(
     arch: Annotated[
