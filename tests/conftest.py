@@ -84,10 +84,10 @@ def stories() -> Path:
 
 @pytest.fixture(scope="session")
 def plugin_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the tests compile the CUDA plugins: a cache kept across runs, $XDG_CACHE_HOME/trtbuild/plugins
-    (~/.cache/trtbuild/plugins), or a temporary dir where that is not writable. compile_plugins names each build by
-    a hash of the sources, options, SM and NVRTC version, so a changed kernel or compiler compiles afresh and an
-    unchanged one is not recompiled on every run (4 SMs: half a minute on 2 cores)."""
+    """Where the tests compile the Triton kernels ahead of time: a cache kept across runs,
+    $XDG_CACHE_HOME/trtbuild/plugins (~/.cache/trtbuild/plugins), or a temporary dir where that is not writable.
+    compile_kernel names each entry by a hash of the kernel sources, Triton version, variant, SM and options, so a
+    changed kernel or compiler compiles afresh and an unchanged one is not recompiled on every run."""
     path = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trtbuild" / "plugins"
     try:
         path.mkdir(parents=True, exist_ok=True)

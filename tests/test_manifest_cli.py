@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import triton
 from conftest import one_line_error
 
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header
@@ -30,8 +31,9 @@ def test_manifest_records_inputs_outputs_and_environment(converted: Path) -> Non
     assert m["toolchain"]["version"] and "git_commit" in m["toolchain"]
     assert m["host"]["python"] and m["host"]["os"] and m["host"]["cpu"]
     assert m["packages"]["torch"] == torch.__version__
-    for pkg in ("transformers", "safetensors", "onnx", "onnxruntime", "tensorrt", "cuda-bindings"):
+    for pkg in ("transformers", "safetensors", "onnx", "onnxruntime", "tensorrt"):
         assert pkg in m["packages"]
+    assert m["packages"]["triton"] == triton.__version__  # the plugin kernels' compiler, pinned
     assert set(m["gpu"]) == {"name", "sm", "driver_version", "cuda_version"}
     assert m["wall_time_s"] > 0 and m["peak_rss_bytes"] > 10 * 2**20
     assert {e["path"] for e in m["outputs"]} == {"config.json", "rank0.safetensors", "generation_config.json"}

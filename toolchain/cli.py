@@ -653,36 +653,61 @@ def diff_(
         raise typer.Exit(3)
 
 
-plugins_app = typer.Typer(help="The CUDA plugins (plugins/*.cu).", no_args_is_help=True)
+plugins_app = typer.Typer(help="The plugin kernels (Triton, toolchain/plugins/kernels).", no_args_is_help=True)
 app.add_typer(plugins_app, name="plugins")
 
 
-@plugins_app.command("compile", epilog="Example: `trtbuild plugins compile --arch sm_90 --json` (no GPU needed: NVRTC)")
+@plugins_app.command(
+    "compile",
+    epilog="Example: `trtbuild plugins compile --arch sm_90 --json` (no GPU needed: the triton wheel ships ptxas). "
+    "Cold, every SM: 1 to 2 minutes on 2 cores; cached afterwards (docs/kernels.md).",
+)
 def plugins_compile(
     arch: Annotated[
-        list[str] | None, typer.Option("--arch", help="Target SM, repeatable or comma-separated; default all four.")
+        list[str] | None,
+        typer.Option("--arch", help="Target SM, repeatable or comma-separated (sm_80 ... sm_120); default every one."),
     ] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Output dir; default plugins/build.")] = None,
-    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any register spill or warning (CI).")] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Cache and output dir; default ~/.cache/trtbuild/plugins.")
+    ] = None,
+    strict: Annotated[bool, typer.Option("--strict", help="Exit 1 on any register spill (CI).")] = False,
+    jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1, help="Compile processes; default: CPUs.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Compile every kernel to PTX and cubin per SM through NVRTC; report registers, spills, shared memory."""
-    from toolchain.plugins.compile import ARCHS, compile_plugins, summary
+    """Compile both Triton kernels ahead of time, for every variant of the matrix (activation x KV pool dtype on a
+    standard layer, plus the head sizes, block sizes, windows and rotary styles that take other code paths), to
+    the PTX TensorRT loads and a cubin per SM; report each kernel's registers, spills, shared memory and threads.
+
+    The PTX is Triton's with its two hidden scratch parameters removed (TensorRT passes only inputs, int32 extra
+    arguments and outputs) and the PTX ISA version set per SM (8.0 up to sm_90, 8.6 sm_100, 8.7 sm_120: loadable by
+    any driver that runs the GPU); the cubin and resources are ptxas' on that PTX. `--json` adds per kernel its
+    spill stores and loads, stack, PTX parameter list and ISA, and the .ptx / .cubin paths under --out. Results are
+    cached there by a hash of the kernel sources, Triton version, variant and SM: an unchanged kernel is not
+    recompiled, and the engine build reads the same cache for the variant it needs.
+    """
+    from toolchain.plugins.compile import ARCHS, cache_dir, compile_variants, summary
 
     with _handled():
         archs = tuple(a.strip() for item in (arch or list(ARCHS)) for a in item.split(",") if a.strip())
-        builds = compile_plugins(archs, out)
-        info = summary(builds)
-        if strict and (info["spills"] or info["warnings"]):
-            raise UserError(f"{info['spills']} bytes of register spills and {info['warnings']} warnings; see --json")
-    lines = [f"NVRTC {info['nvrtc']}: {', '.join(info['sources'])}"]
-    for b in builds:
-        worst = max(b.kernels, key=lambda k: k.registers)
+        out_dir = out or cache_dir()
+        results = compile_variants(archs, out_dir, jobs)
+        info = summary(results, out_dir)
+        if strict and info["spills"]:
+            spilling = sorted({f"{k.name} {j.variant} {j.arch}" for j, k in results if k.spills})
+            raise UserError(f"{info['spills']} bytes of register spills: {', '.join(spilling)}; see --json")
+    lines = [
+        f"triton {info['triton']} (ptxas {', '.join(info['ptxas'])}): {info['kernels']} kernels, "
+        f"{info['compiled']} compiled ({info['compile_s']} s of compile), the rest cached in {out_dir}",
+    ]
+    v = max([len("variant"), *(len(j.variant) for j, _ in results)])
+    n = max([len("kernel"), *(len(k.name) for _, k in results)])
+    lines.append(f"{'SM':<7} {'variant':<{v}} {'kernel':<{n}} {'regs':>4} {'spills':>6} {'shared':>7} {'threads':>7}")
+    for j, k in results:
         lines.append(
-            f"  {b.arch}: {len(b.kernels)} kernels{' (cached)' if b.cached else ''}, max {worst.registers} registers "
-            f"({worst.name}), spills {sum(k.spill_stores + k.spill_loads for k in b.kernels)} B, "
-            f"{len(b.warnings)} warnings -> {b.cubin.name}"
+            f"{j.arch:<7} {j.variant:<{v}} {k.name:<{n}} {k.registers:>4} {k.spills:>6} {k.shared_bytes:>7} "
+            f"{k.threads:>7}"
         )
+    lines.append(f"spills: {info['spills']} bytes in all")
     _emit(info, json_out, lines)
 
 

@@ -34,7 +34,7 @@ MANIFEST_NAME = "manifest.json"
 # It catches a manifest edited or damaged after it was written; it is not a signature (whoever can edit the file can
 # recompute it): pin the manifest's sha256 (what `serve` and `diff` show) for that.
 SEAL = "manifest_seal_sha256"
-PACKAGES = ("torch", "transformers", "safetensors", "onnx", "onnxruntime", "cuda-bindings", "cuda-python")
+PACKAGES = ("torch", "transformers", "safetensors", "onnx", "onnxruntime", "triton")
 _CHUNK = 8 << 20
 
 

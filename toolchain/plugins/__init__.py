@@ -1,1 +1,2 @@
-"""The CUDA plugins: compiling plugins/*.cu with NVRTC, their TensorRT registration, launching them for checks."""
+"""The TensorRT plugins' kernels: Triton sources (kernels/), their ahead-of-time compile to PTX and cubin per SM
+(compile.py, ptx.py), their TensorRT registration and launch description."""

@@ -21,7 +21,6 @@ import tensorrt.plugin as trtp
 from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
 from toolchain.manifest import gpu_info
 from toolchain.plugins import launch
-from toolchain.plugins.compile import compile_plugins
 
 _DTYPES = {trt.float16: "float16", trt.bfloat16: "bfloat16"}
 _COMBINATIONS = [  # activation, pool dtype (TensorRT's type names for autotune)
@@ -44,7 +43,9 @@ def _ptx() -> str:
     sm = gpu_info()["sm"]
     if sm is None:
         raise RuntimeError("trtbuild plugins: no GPU visible to read its SM from")
-    return compile_plugins((f"sm_{sm}",))[0].ptx.read_text()
+    from toolchain.plugins.compile import compile_plugins  # type: ignore[attr-defined]  # gone with attention.cu
+
+    return str(compile_plugins((f"sm_{sm}",))[0].ptx.read_text())
 
 
 def _sym(values: list[Any]) -> Any:
