@@ -36,8 +36,15 @@ from toolchain.plugins.kernels import common
 # (toolchain/engine/export.py KV_ONNX); position ids, lengths and block tables INT32.
 TRT_TYPE_NAMES = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16", "int8": "INT8", "fp8": "FP8"}
 _DATA_TYPE_MEMBERS = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int8": "INT8", "fp8": "FP8"}
-_ACTIVATION_OF = {getattr(trt.DataType, _DATA_TYPE_MEMBERS[a]): a for a in common.ACTIVATIONS}
-_POOL_OF = {getattr(trt.DataType, m): name for name, m in _DATA_TYPE_MEMBERS.items()}
+
+
+def dtype_name(dtype: Any) -> str | None:
+    """Our name of a trt.DataType ("float16", "int8", "fp8", ...), None for a type no kernel takes. Looked up when
+    called: importing this module only registers functions."""
+    for name, member in _DATA_TYPE_MEMBERS.items():
+        if dtype == getattr(trt.DataType, member):
+            return name
+    return None
 
 
 def combinations() -> list[tuple[str, str]]:
@@ -79,16 +86,17 @@ def compiled(op: str, a: AttentionAttrs, activation: str) -> Any:
 
 
 def _activation(desc: Any, what: str) -> str:
-    if desc.dtype not in _ACTIVATION_OF:
+    name = dtype_name(desc.dtype)
+    if name not in common.ACTIVATIONS:
         raise ValueError(f"{what} dtype {desc.dtype}: the kernels take {', '.join(common.ACTIVATIONS)}")
-    return _ACTIVATION_OF[desc.dtype]
+    return name
 
 
 def aot(op: str, first: Any, new_lens: Any, block_tables: Any, kv_cache: Any, values: dict[str, Any]) -> Any:
     """aot_impl's answer for either op: (kernel name, PTX, KernelLaunchParams, SymIntExprs of the int32 scalars)."""
     a = attrs_of(op, values)
     activation = _activation(first, f"{op} input 0")
-    pool = _POOL_OF.get(kv_cache.dtype)
+    pool = dtype_name(kv_cache.dtype)
     expected = activation if a.kv_cache_dtype in common.ACTIVATIONS else a.kv_cache_dtype
     if pool != expected:
         raise ValueError(
