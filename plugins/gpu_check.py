@@ -206,6 +206,7 @@ class AotKernels:
         key = (op, a, activation)
         if key not in self.loaded:
             k = self.compile_kernel(op, a, activation, self.arch)
+            launch.check_ptx(op, a, activation, k.ptx)  # exactly TensorRT's argument list, scratch stripped
             module = _ok(d.cuModuleLoadData(k.ptx.encode() + b"\0"), "cuModuleLoadData")
             fn = _ok(d.cuModuleGetFunction(module, k.name.encode()), f"cuModuleGetFunction {k.name}")
             if k.shared > 48 * 1024:  # above the default limit a launch needs the opt-in (Triton's launcher does it)

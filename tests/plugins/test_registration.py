@@ -168,6 +168,23 @@ def test_launch_reads_the_kernel_modules(op: str) -> None:
         launch.kernel_name("Attention")
 
 
+def test_check_ptx_refuses_an_entry_with_the_hidden_scratch_parameters() -> None:
+    """PTX as Triton emits it (two trailing .u64 scratch pointers) is refused; stripped, it passes."""
+    a = AttentionAttrs(**CASES[0][1])
+    name = launch.kernel_name("PagedAttention")
+    params = [".u64"] * 6 + [".u32"] * len(common.SCALARS) + [".u64"]
+
+    def ptx(types_: list[str]) -> str:
+        lines = ",\n".join(f"\t.param {t} {name}_param_{i}" for i, t in enumerate(types_))
+        return f".version 8.4\n.visible .entry {name}(\n{lines}\n)\n.reqntid 128\n{{\n\tret;\n}}\n"
+
+    launch.check_ptx("PagedAttention", a, "float16", ptx(params))
+    with pytest.raises(ValueError, match=r"strips Triton's hidden scratch parameters"):
+        launch.check_ptx("PagedAttention", a, "float16", ptx([*params, ".u64", ".u64"]))
+    with pytest.raises(ValueError, match=r"has no \.entry attention_kernel"):
+        launch.check_ptx("PagedAttention", a, "float16", ptx(params).replace(name, "other"))
+
+
 def _entry(ptx: str) -> tuple[str, list[str], int]:
     """(entry name, its parameter types, .reqntid x) of the PTX's one kernel."""
     entries = re.findall(r"\.visible \.entry (\w+)\((.*?)\)", ptx, re.S)

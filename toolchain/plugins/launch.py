@@ -9,6 +9,7 @@ comes from the compile (toolchain/plugins/compile.py), not from here."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +79,23 @@ def describe(op: str, a: AttentionAttrs, dims: tuple[Any, Any, Any, Any], shared
     """The launch of op for batch dims `dims` (batch_dims) and the compiled kernel's shared memory bytes."""
     num_tokens = dims[0]
     return Launch(kernel_name(op), grid(op, a, num_tokens), block_threads(op), shared_mem, scalars(op, a, *dims))
+
+
+def ptx_parameter_types(ptx: str, entry: str) -> list[str]:
+    """The PTX types (`.u64`, `.u32`, ...) of `entry`'s parameters, in order."""
+    head = re.search(rf"\.entry {re.escape(entry)}\((.*?)\)", ptx, re.S)
+    if head is None:
+        raise ValueError(f"the PTX has no .entry {entry}")
+    return [line.split()[1] for line in head.group(1).strip().splitlines() if line.strip()]
+
+
+def check_ptx(op: str, a: AttentionAttrs, activation: str, ptx: str) -> None:
+    """Refuse PTX whose entry does not take exactly what TensorRT passes: the kernel's pointers and int32 scalars in
+    order (`parameters`), nothing after them — Triton's hidden scratch pointers must have been stripped."""
+    want = [".u64" if t.startswith("*") else ".u32" for _, t in parameters(op, a, activation)]
+    got = [".u32" if t == ".s32" else t for t in ptx_parameter_types(ptx, kernel_name(op))]
+    if got != want:
+        raise ValueError(
+            f"{op}: PTX entry {kernel_name(op)} takes ({', '.join(got)}), TensorRT will pass ({', '.join(want)}): "
+            "compile it with toolchain.plugins.compile, which strips Triton's hidden scratch parameters"
+        )

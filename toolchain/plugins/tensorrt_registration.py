@@ -108,6 +108,7 @@ def aot(op: str, first: Any, new_lens: Any, block_tables: Any, kv_cache: Any, va
     plan = launch.describe(op, a, dims, int(kernel.shared))
     if kernel.name != plan.kernel:
         raise RuntimeError(f"{op}: compiled entry {kernel.name!r} is not the launched kernel {plan.kernel!r}")
+    launch.check_ptx(op, a, activation, kernel.ptx)
     params = trtp.KernelLaunchParams()
     params.grid_x, params.grid_y, params.grid_z = plan.grid
     params.block_x = plan.block_x
