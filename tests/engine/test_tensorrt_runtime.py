@@ -170,6 +170,8 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
     plugin = types.ModuleType("tensorrt.plugin")
     for name in ("register", "autotune", "aot_impl"):
         setattr(plugin, name, decorator)
+    for name in ("TensorDesc", "KernelLaunchParams", "SymIntExprs", "AutoTuneCombination"):  # its annotations
+        setattr(plugin, name, type(name, (), {}))
     trt = types.ModuleType("tensorrt")
     members = {"Runtime": Runtime, "Logger": Logger, "TensorIOMode": IOMode, "plugin": plugin}
     for name, value in {**members, "float16": "float16", "bfloat16": "bfloat16"}.items():

@@ -3,7 +3,8 @@ testing toolchain/plugins/tensorrt_registration.py where TensorRT cannot be inst
 registration's aot_impl on real PTX (a subprocess: compiling needs TRITON_INTERPRET unset, which pytest sets).
 
 What it mirrors (TensorRT's python/packaging/bindings_wheel/tensorrt/plugin, 10.x): `register` / `autotune` /
-`aot_impl` record the functions; `TensorDesc` has `shape_expr`, `dtype`, `like()`, `aliased()`; shape expressions
+`aot_impl` check the functions' signatures and annotations as its _validate.py does (as classes: a string
+annotation fails) and record them; `TensorDesc` has `shape_expr`, `dtype`, `like()`, `aliased()`; shape expressions
 support + - * //; `KernelLaunchParams` wraps every field in `SymInt32`; TensorRT refuses an extra argument that is
 not a `SymInt32` ("Extra args must be a 'tensorrt.plugin.SymInt32'"); `AutoTuneCombination` type names are "FP32",
 "FP16" or a `trt.DataType` member name. Here a symbolic dim is a `Sym` whose text names its origin ("q.0")."""
@@ -11,10 +12,12 @@ not a `SymInt32` ("Extra args must be a 'tensorrt.plugin.SymInt32'"); `AutoTuneC
 from __future__ import annotations
 
 import enum
+import inspect
 import json
 import re
 import sys
 import types
+import typing
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -141,18 +144,116 @@ class AutoTuneCombination:
         self.layouts = [s.strip() for s in layouts.split(",")]
 
 
+SERIALIZABLE = (int, float, bytes, bool, str)
+EMPTY = inspect.Parameter.empty
+
+
+def _is_class(annotation: Any, cls: type) -> bool:
+    """issubclass as tensorrt.plugin calls it: on a string annotation (`from __future__ import annotations`) it
+    raises TypeError, as the real one does."""
+    if not inspect.isclass(annotation):
+        raise TypeError(f"issubclass() arg 1 must be a class, not {annotation!r}")
+    return issubclass(annotation, cls)
+
+
+def check_register(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
+    """tensorrt.plugin's _parse_register_inputs / _parse_register_return: every argument annotated, no defaults,
+    TensorDescs first, attributes of serializable builtin types, returns TensorDesc or a tuple of them."""
+    sig = inspect.signature(fn)
+    tensors: list[str] = []
+    attrs: dict[str, Any] = {}
+    for name, p in sig.parameters.items():
+        if p.annotation is EMPTY or p.default is not EMPTY:
+            raise ValueError(f"register argument {name}: needs a type annotation and no default")
+        if _is_class(p.annotation, TensorDesc):
+            if attrs:
+                raise ValueError("TensorDescs args and attribute args cannot be interspersed")
+            tensors.append(name)
+        elif p.annotation in SERIALIZABLE and name not in ("outputs", "stream", "tactic"):
+            attrs[name] = p.annotation
+        else:
+            raise ValueError(f"Attribute '{name}' of type {p.annotation} is not a supported serializable type")
+    ret = sig.return_annotation
+    outs = typing.get_args(ret) if typing.get_origin(ret) is tuple else (ret,)
+    if not all(_is_class(r, TensorDesc) for r in outs):
+        raise ValueError(f"Return argument is of type {ret}. Return types can only be TensorDesc or Tuple[TensorDesc].")
+    return tensors, attrs
+
+
+def _check_args(kind: str, fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]], tail: list[str]) -> None:
+    tensors, attrs = reg
+    sig = inspect.signature(fn)
+    used = []
+    for name, p in sig.parameters.items():
+        if p.annotation is EMPTY:
+            used += [name] if name in attrs else []
+        elif name == "outputs":
+            if typing.get_origin(p.annotation) is not tuple or not all(
+                _is_class(x, TensorDesc) for x in typing.get_args(p.annotation)
+            ):
+                raise ValueError(f"'outputs' should be of type Tuple[TensorDesc]. Received {p.annotation}.")
+        elif name == "tactic":
+            _is_class(p.annotation, int) or _fail("'tactic' input argument should be an int")
+        elif _is_class(p.annotation, TensorDesc):
+            name in tensors or _fail(f"Unexpected tensor '{name}' specified in {kind} function.")
+        else:
+            name in attrs or _fail(f"Unexpected attribute '{name}' specified in {kind} function.")
+            p.annotation == attrs[name] or _fail(f"Attribute '{name}' has a type annotation different from register's")
+            used.append(name)
+    expected = [*tensors, *(n for n in attrs if n in used), *tail]
+    if list(sig.parameters) != expected:
+        raise ValueError(f"Signature of the {kind} function {sig} does not match the expected schema {expected}")
+
+
+def _fail(message: str) -> bool:
+    raise ValueError(message)
+
+
+def check_aot_impl(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
+    """_validate_aot_impl: (inputs, attributes in order, outputs, tactic) -> tuple[str | bytes, str | bytes,
+    KernelLaunchParams, SymExprs], the return annotation mandatory."""
+    _check_args("aot_impl", fn, reg, ["outputs", "tactic"])
+    ret = inspect.signature(fn).return_annotation
+    args = typing.get_args(ret)
+    if typing.get_origin(ret) is not tuple or len(args) != 4:
+        raise ValueError(f"Return annotation is {ret}. Expected tuple[str | bytes, str | bytes, ...] of 4.")
+    for a in args[:2]:
+        for x in typing.get_args(a) if typing.get_origin(a) in (typing.Union, types.UnionType) else (a,):
+            x in (str, bytes) or _fail(f"Return annotation argument '{x}': expected 'str' or 'bytes'")
+    _is_class(args[2], KernelLaunchParams) or _fail(f"'{args[2]}': expected KernelLaunchParams")
+    _is_class(args[3], SymIntExprs) or _fail(f"'{args[3]}': expected a SymExprs")
+
+
+def check_autotune(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
+    """_validate_autotune: (inputs, attributes in order, outputs) -> list[AutoTuneCombination], if annotated."""
+    _check_args("autotune", fn, reg, ["outputs"])
+    ret = inspect.signature(fn).return_annotation
+    if ret is not EMPTY:
+        outs = typing.get_args(ret) if typing.get_origin(ret) is list else (ret,)
+        all(_is_class(r, AutoTuneCombination) for r in outs) or _fail(f"autotune returns {ret}")
+
+
 def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, Callable[..., Any]]]]:
     """Put the stand-ins in sys.modules as `tensorrt` and `tensorrt.plugin`; returns them and the registry
     {kind: {plugin id: function}} their decorators fill."""
     trt = types.ModuleType("tensorrt")
     trtp = types.ModuleType("tensorrt.plugin")
     registry: dict[str, dict[str, Callable[..., Any]]] = {"register": {}, "autotune": {}, "aot_impl": {}}
+    schemas: dict[str, tuple[list[str], dict[str, Any]]] = {}
 
     def decorator(kind: str) -> Callable[[str], Callable[[Callable[..., Any]], Callable[..., Any]]]:
         def named(plugin_id: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             def record(fn: Callable[..., Any]) -> Callable[..., Any]:
                 if plugin_id in registry[kind]:
                     raise ValueError(f"{kind} for {plugin_id} registered twice")
+                if kind == "register":
+                    schemas[plugin_id] = check_register(fn)
+                elif plugin_id not in schemas:
+                    raise ValueError(f"{kind} for {plugin_id} before its register")
+                elif kind == "aot_impl":
+                    check_aot_impl(fn, schemas[plugin_id])
+                else:
+                    check_autotune(fn, schemas[plugin_id])
                 registry[kind][plugin_id] = fn
                 return fn
 

@@ -18,8 +18,8 @@ Tested without TensorRT against the `tensorrt.plugin` contract (tests/plugins/te
 with TensorRT: no machine of this project has had it.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: tensorrt.plugin reads the decorated functions' annotations with
+# inspect.signature and checks them as classes (issubclass of TensorDesc, KernelLaunchParams, ...; its _validate.py).
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -156,7 +156,7 @@ def _kv_write_tune(
     block_tables: trtp.TensorDesc,
     kv_cache: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
-) -> list[Any]:
+) -> list[trtp.AutoTuneCombination]:
     return _tune()
 
 
@@ -184,7 +184,7 @@ def _kv_write_impl(
     kv_scale: float,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
-) -> tuple[str, str, Any, Any]:
+) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
     values = dict(locals())
     return aot("KVCacheWrite", qkv, new_lens, block_tables, kv_cache, values)  # type: ignore[no-any-return]
 
@@ -219,7 +219,7 @@ def _attention_tune(
     block_tables: trtp.TensorDesc,
     kv_cache: trtp.TensorDesc,
     outputs: tuple[trtp.TensorDesc],
-) -> list[Any]:
+) -> list[trtp.AutoTuneCombination]:
     return _tune()
 
 
@@ -242,6 +242,6 @@ def _attention_impl(
     q_scaling: float,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
-) -> tuple[str, str, Any, Any]:
+) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
     values = dict(locals())
     return aot("PagedAttention", q, new_lens, block_tables, kv_cache, values)  # type: ignore[no-any-return]
