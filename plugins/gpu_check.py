@@ -194,11 +194,14 @@ def _ok(result: Any, what: str) -> Any:
 class AotKernels:
     """Stripped PTX per (op, attrs, activation), loaded and launched through the driver API, as TensorRT does."""
 
-    def __init__(self, arch: str):
-        from toolchain.plugins.compile import compile_kernel
-
-        self.compile_kernel, self.arch, self.driver = compile_kernel, arch, _driver()
+    def __init__(self, arch: str, compile_kernel: Any = None, driver: Any = None):
+        if compile_kernel is None:
+            from toolchain.plugins.compile import compile_kernel
+        self.compile_kernel, self.arch, self.driver = compile_kernel, arch, driver or _driver()
         self.loaded: dict[Any, Any] = {}
+
+    def stream(self) -> Any:
+        return self.driver.CUstream(torch.cuda.current_stream().cuda_stream)
 
     def launch(self, op: str, a: AttentionAttrs, activation: str, tensors: list[torch.Tensor]) -> dict[str, Any]:
         """tensors: the op's 6 inputs and its output, on CUDA; launched on torch's current stream."""
@@ -220,7 +223,7 @@ class AotKernels:
         assert plan.kernel == k.name, (plan.kernel, k.name)
         values = [t.data_ptr() for t in inputs] + [int(s) for s in plan.scalars] + [out.data_ptr()]
         types_ = [ctypes.c_void_p] * len(inputs) + [ctypes.c_int] * len(plan.scalars) + [ctypes.c_void_p]
-        stream = d.CUstream(torch.cuda.current_stream().cuda_stream)
+        stream = self.stream()
         gx, gy, gz = (int(g) for g in plan.grid)
         args = (tuple(values), tuple(types_))
         _ok(d.cuLaunchKernel(fn, gx, gy, gz, plan.block_x, 1, 1, plan.shared_mem, stream, args, 0), "cuLaunchKernel")
