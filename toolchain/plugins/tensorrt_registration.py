@@ -20,6 +20,7 @@ with TensorRT: no machine of this project has had it.
 
 # No `from __future__ import annotations`: tensorrt.plugin reads the decorated functions' annotations with
 # inspect.signature and checks them as classes (issubclass of TensorDesc, KernelLaunchParams, ...; its _validate.py).
+import importlib
 from dataclasses import MISSING, fields
 from typing import Any
 
@@ -80,9 +81,8 @@ def build_arch() -> str:
 def compiled(op: str, a: AttentionAttrs, activation: str) -> Any:
     """op's kernel compiled for the build GPU with these attributes: `.name`, `.ptx` (the hidden scratch
     parameters stripped), `.shared` (dynamic shared memory bytes)."""
-    from toolchain.plugins.compile import compile_kernel  # type: ignore[attr-defined]
-
-    return compile_kernel(op, a, activation, build_arch())
+    compile_module = importlib.import_module("toolchain.plugins.compile")
+    return compile_module.compile_kernel(op, a, activation, build_arch())
 
 
 def _activation(desc: Any, what: str) -> str:
@@ -96,12 +96,10 @@ def aot(op: str, first: Any, new_lens: Any, block_tables: Any, kv_cache: Any, va
     """aot_impl's answer for either op: (kernel name, PTX, KernelLaunchParams, SymIntExprs of the int32 scalars)."""
     a = attrs_of(op, values)
     activation = _activation(first, f"{op} input 0")
-    pool = dtype_name(kv_cache.dtype)
-    expected = activation if a.kv_cache_dtype in common.ACTIVATIONS else a.kv_cache_dtype
-    if pool != expected:
+    if dtype_name(kv_cache.dtype) != a.kv_cache_dtype:  # the graph types the pool as kv_cache_dtype
         raise ValueError(
-            f"{op}: kv_cache tensor of type {kv_cache.dtype} but kv_cache_dtype={a.kv_cache_dtype!r} with "
-            f"{activation} activations needs {TRT_TYPE_NAMES[expected]}; rebuild the graph (trtbuild build)"
+            f"{op}: kv_cache tensor of type {kv_cache.dtype} but kv_cache_dtype={a.kv_cache_dtype!r} needs "
+            f"{TRT_TYPE_NAMES.get(a.kv_cache_dtype, a.kv_cache_dtype)}; rebuild the graph (trtbuild build)"
         )
     kernel = compiled(op, a, activation)
     dims = launch.batch_dims(first.shape_expr, new_lens.shape_expr, block_tables.shape_expr, kv_cache.shape_expr)
