@@ -61,10 +61,12 @@ bench: $(STAMP)
 	$(BIN)/python bench/serve.py --no-aiperf
 	@echo "peers (onnxruntime-genai, vLLM CPU, in their own venvs): $(BIN)/python bench/peers.py --setup"
 
-# On a GPU machine (the device tool's H200 image has torch, cuda-bindings, NVRTC and compute-sanitizer): compile the
-# plugins for its SM, replay tests/vectors through them, sanitize, time; writes gpu-check.json/.md to $$OUT or .
+# On a GPU machine (the device tool's H200 image: torch with CUDA, Triton, cuda-python; no TensorRT): the Triton
+# kernels natively and through the driver API as TensorRT launches them, against the reference on tests/vectors;
+# compute-sanitizer; decode timings against SDPA. Writes gpu-check.json/.md to $$OUT or .; `--cpu` runs the
+# native part under Triton's interpreter anywhere (docs/kernels.md).
 gpu-check:
-	PYTHONUNBUFFERED=1 python3 plugins/gpu_check.py
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(CURDIR) python3 plugins/gpu_check.py
 
 clean:
 	rm -rf demo .pytest_cache .mypy_cache .ruff_cache

@@ -60,13 +60,15 @@ def _checkpoint(directory: Path) -> dict[str, Any]:
     }
 
 
+# The status of the plugin kernels (docs/kernels.md): one phrase, the same for both backends.
+PLUGIN_STATUS = "executed in CI by Triton's interpreter; not yet timed on a GPU"
 _CPU_PLUGINS = (
-    "KVCacheWrite, PagedAttention: reference ops on the CPU engine; the CUDA kernels are not yet verified on a GPU "
+    f"KVCacheWrite, PagedAttention: reference ops on the CPU engine; the Triton kernels are {PLUGIN_STATUS} "
     "(docs/kernels.md)"
 )
 _TENSORRT_PLUGINS = (
-    "KVCacheWrite, PagedAttention: CUDA kernels in the plan; neither they nor the TensorRT runtime backend are "
-    "verified on a GPU yet (docs/kernels.md, docs/engine.md)"
+    f"KVCacheWrite, PagedAttention: Triton kernels (PTX) in the plan, {PLUGIN_STATUS}; the TensorRT runtime "
+    "backend is not verified on a GPU yet (docs/kernels.md, docs/engine.md)"
 )
 
 

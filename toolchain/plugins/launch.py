@@ -1,103 +1,101 @@
-"""How each plugin op becomes one kernel launch: kernel name, grid and the int32 scalar arguments, in the order the
-kernels in plugins/attention.cu take them (inputs, scalars, outputs). Pure functions over dims that may be ints or
-TensorRT's symbolic expressions (anything with + * and //), so TensorRT's registration, the tests and the GPU check
-(plugins/gpu_check.py) share them. The split-K attention (`*_split` + reduce) is not launched by the registration
-(one kernel per plugin); the GPU check runs it, described here beside the launch it splits."""
+"""How each plugin op becomes one kernel launch, read from its Triton kernel module (toolchain/plugins/kernels):
+the PTX entry's name, the kernel's parameters in order (input pointers, int32 scalars, output pointers), the grid,
+the block size and the int32 scalar values. Pure functions over dims that may be ints or TensorRT's symbolic
+expressions (anything with + * and //), so TensorRT's registration (tensorrt_registration.py), the tests and the
+GPU check (plugins/gpu_check.py) describe the same launch.
+
+The dynamic shared memory of a launch is the compiled kernel's own figure (Triton's `metadata.shared`), so it
+comes from the compile (toolchain/plugins/compile.py), not from here."""
 
 from __future__ import annotations
 
-import struct
+import re
+from dataclasses import dataclass
 from typing import Any
 
 from toolchain.engine.ops import AttentionAttrs
+from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS
 
-BLOCK_THREADS = 128
-MAX_GROUP = 8  # query heads per attention block on the 64 / 128 head-dim paths, 4 on the generic one
-ACTIVATIONS = {"float16": "f16", "bfloat16": "bf16"}
-KV = {"float16": "f16", "bfloat16": "bf16", "fp8": "fp8", "int8": "int8"}
-SCALING = {"none": 0, "linear": 1, "llama3": 2}
+WARP_SIZE = 32
 
 
-def float_bits(x: float) -> int:
-    """A float32 passed through an int32 kernel argument (the kernel reads it back with __int_as_float)."""
-    return int(struct.unpack("<i", struct.pack("<f", x))[0])
+def _module(op: str) -> Any:
+    if op not in KERNELS:
+        raise ValueError(f"plugin op {op!r} has no kernel; choose one of {', '.join(KERNELS)}")
+    return KERNELS[op]
 
 
-def _kv(a: AttentionAttrs, activation: str) -> str:
-    if a.kv_cache_dtype in ("float16", "bfloat16") and a.kv_cache_dtype != activation:
-        raise ValueError(f"KV cache {a.kv_cache_dtype} with {activation} activations has no kernel")
-    if a.kv_cache_dtype not in KV:
-        raise ValueError(f"KV cache dtype {a.kv_cache_dtype!r} has no kernel; choose one of {', '.join(KV)}")
-    return KV[a.kv_cache_dtype]
+def kernel_name(op: str) -> str:
+    """The PTX `.entry` of op's kernel: Triton names it after the jit function."""
+    _module(op)
+    return str(KERNEL_FUNCTIONS[op].__name__)
 
 
-def head_path(head_size: int) -> str:
-    if head_size > 256 or head_size % 2:
-        raise ValueError(f"head_size {head_size}: the kernels take even head sizes up to 256")
-    return {64: "hd64", 128: "hd128"}.get(head_size, "generic")
+def block_threads(op: str) -> int:
+    """Threads per block: Triton launches 32 * num_warps (the PTX says so in `.reqntid`)."""
+    return WARP_SIZE * int(_module(op).NUM_WARPS)
 
 
-def kv_write_kernel(a: AttentionAttrs, activation: str) -> str:
-    return f"trtbuild_kv_write_{ACTIVATIONS[activation]}_{_kv(a, activation)}"
+def parameters(op: str, a: AttentionAttrs, activation: str) -> list[tuple[str, str]]:
+    """The kernel's runtime parameters in order, as (name, Triton type): pointers `*fp16`, `*i32`, ..., scalars `i32`.
+    The constexprs are compiled in and are not parameters."""
+    return [(n, t) for n, t in _module(op).signature(a, activation).items() if t != "constexpr"]
 
 
-def attention_kernel(a: AttentionAttrs, activation: str) -> str:
-    return f"trtbuild_attention_{ACTIVATIONS[activation]}_{_kv(a, activation)}_{head_path(a.head_size)}"
+def batch_dims(first: Any, new_lens: Any, block_tables: Any, kv_cache: Any) -> tuple[Any, Any, Any, Any]:
+    """(num_tokens, num_seqs, max_blocks, num_blocks) from the shapes of the op's inputs qkv / q, new_lens,
+    block_tables and kv_cache: torch shapes or TensorRT shape expressions alike."""
+    return first[0], new_lens[0], block_tables[1], kv_cache[1]
 
 
-def _common_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
-    """The scalars both kernels take first: batch geometry (symbolic in TensorRT), then the layer's shape."""
-    dims = [num_tokens, num_seqs, max_blocks, num_blocks]
-    return [*dims, a.layer, a.num_heads, a.num_kv_heads, a.head_size, a.tokens_per_block]
+def scalars(op: str, a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
+    """The int32 arguments in kernel order (a float as its bit pattern)."""
+    return list(_module(op).scalars(a, num_tokens, num_seqs, max_blocks, num_blocks))
 
 
-def kv_write_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
-    rotary = [
-        int(a.rotary_style == "neox"),
-        float_bits(a.rotary_base),
-        SCALING[a.rotary_scaling_type],
-        float_bits(a.rotary_scaling_factor),
-        float_bits(a.rotary_low_freq_factor),
-        float_bits(a.rotary_high_freq_factor),
-        a.rotary_original_max_positions,
-    ]
-    return [*_common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks), *rotary, float_bits(a.kv_scale)]
-
-
-def kv_write_grid(num_tokens: Any) -> tuple[Any, int, int]:
-    """One block per new token."""
-    return num_tokens, 1, 1
-
-
-def attention_scalars(a: AttentionAttrs, num_tokens: Any, num_seqs: Any, max_blocks: Any, num_blocks: Any) -> list[Any]:
-    """The common scalars, then window, kv_scale and q_scaling (floats as bits); the split variant then `splits`."""
-    common = _common_scalars(a, num_tokens, num_seqs, max_blocks, num_blocks)
-    return [*common, a.sliding_window, float_bits(a.kv_scale), float_bits(a.q_scaling)]
-
-
-def attention_grid(a: AttentionAttrs, num_tokens: Any) -> tuple[Any, int, int]:
-    """(tokens, kv heads x chunks of query heads, 1): one block per token and KV head group chunk."""
-    per_block = MAX_GROUP if head_path(a.head_size) != "generic" else MAX_GROUP // 2
-    group = a.num_heads // a.num_kv_heads
-    return num_tokens, a.num_kv_heads * -(-group // per_block), 1
+def grid(op: str, a: AttentionAttrs, num_tokens: Any) -> tuple[Any, Any, Any]:
+    g = _module(op).grid(a, num_tokens)
+    return g[0], g[1], g[2]
 
 
 def output_width(a: AttentionAttrs) -> int:
-    """Both ops output [num_tokens, heads * head_size]."""
+    """Both ops output [num_tokens, num_heads * head_size] (q after rotary; the attention output)."""
     return a.num_heads * a.head_size
 
 
-def attention_split_kernel(a: AttentionAttrs, activation: str) -> str:
-    """The split-K variant of `attention_kernel`: grid z splits the keys; it takes `splits` after the scalars and
-    writes partial outputs and (max, sum) pairs, which `reduce_kernel` combines."""
-    return f"{attention_kernel(a, activation)}_split"
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch, as TensorRT's ahead-of-time plugin makes it: `cuLaunchKernel(kernel, *grid, block_x, 1, 1,
+    shared_mem, stream, [*input pointers, *scalars, *output pointers])`."""
+
+    kernel: str
+    grid: tuple[Any, Any, Any]
+    block_x: int
+    shared_mem: int
+    scalars: list[Any]
 
 
-def attention_split_grid(a: AttentionAttrs, num_tokens: Any, splits: int) -> tuple[Any, int, int]:
-    x, y, _ = attention_grid(a, num_tokens)
-    return x, y, splits
+def describe(op: str, a: AttentionAttrs, dims: tuple[Any, Any, Any, Any], shared_mem: int) -> Launch:
+    """The launch of op for batch dims `dims` (batch_dims) and the compiled kernel's shared memory bytes."""
+    num_tokens = dims[0]
+    return Launch(kernel_name(op), grid(op, a, num_tokens), block_threads(op), shared_mem, scalars(op, a, *dims))
 
 
-def reduce_kernel(activation: str) -> str:
-    """Combines the split-K partials: grid (tokens * heads), scalars (tokens, heads, head_size, splits)."""
-    return f"trtbuild_attention_reduce_{ACTIVATIONS[activation]}"
+def ptx_parameter_types(ptx: str, entry: str) -> list[str]:
+    """The PTX types (`.u64`, `.u32`, ...) of `entry`'s parameters, in order."""
+    head = re.search(rf"\.entry {re.escape(entry)}\((.*?)\)", ptx, re.S)
+    if head is None:
+        raise ValueError(f"the PTX has no .entry {entry}")
+    return [line.split()[1] for line in head.group(1).strip().splitlines() if line.strip()]
+
+
+def check_ptx(op: str, a: AttentionAttrs, activation: str, ptx: str) -> None:
+    """Refuse PTX whose entry does not take exactly what TensorRT passes: the kernel's pointers and int32 scalars in
+    order (`parameters`), nothing after them — Triton's hidden scratch pointers must have been stripped."""
+    want = [".u64" if t.startswith("*") else ".u32" for _, t in parameters(op, a, activation)]
+    got = [".u32" if t == ".s32" else t for t in ptx_parameter_types(ptx, kernel_name(op))]
+    if got != want:
+        raise ValueError(
+            f"{op}: PTX entry {kernel_name(op)} takes ({', '.join(got)}), TensorRT will pass ({', '.join(want)}): "
+            "compile it with toolchain.plugins.compile, which strips Triton's hidden scratch parameters"
+        )

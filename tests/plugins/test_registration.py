@@ -1,0 +1,244 @@
+"""TensorRT's registration of the Triton kernels (toolchain/plugins/tensorrt_registration.py) against the
+`tensorrt.plugin` ahead-of-time contract, without TensorRT: a stand-in module (trt_contract.py) records the
+decorated functions; the shape, type and launch answers are checked here, and aot_impl's on real PTX compiled in a
+subprocess (TRITON_INTERPRET, which pytest sets, cannot compile)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import trt_contract
+
+from toolchain.engine.export import KV_ONNX
+from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
+from toolchain.plugins import launch
+from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS, common
+
+ROOT = Path(__file__).resolve().parents[2]
+REG = "toolchain.plugins.tensorrt_registration"
+OPS = ("KVCacheWrite", "PagedAttention")
+
+# (activation, attrs): fp16 and bf16; every pool; GQA 4, MHA and MQA; head sizes 64, 24, 128, 40 (24, 40: not powers
+# of two); 16, 32, 64 tokens per block
+CASES: list[tuple[str, dict[str, Any]]] = [
+    ("float16", dict(layer=1, num_heads=8, num_kv_heads=2, head_size=64, tokens_per_block=16,
+                     kv_cache_dtype="float16")),
+    ("bfloat16", dict(layer=0, num_heads=4, num_kv_heads=4, head_size=24, tokens_per_block=32, kv_cache_dtype="int8",
+                      kv_scale=0.0125)),
+    ("float16", dict(layer=3, num_heads=8, num_kv_heads=1, head_size=128, tokens_per_block=64, kv_cache_dtype="fp8",
+                     kv_scale=0.375, sliding_window=32)),
+    ("bfloat16", dict(layer=2, num_heads=6, num_kv_heads=2, head_size=40, tokens_per_block=16,
+                      kv_cache_dtype="bfloat16", rotary_scaling_type="llama3", rotary_scaling_factor=8.0)),
+]  # fmt: skip
+
+
+@pytest.fixture
+def registered() -> Iterator[tuple[Any, dict[str, Any], Any]]:
+    """(tensorrt stand-in, its registry, the registration module imported against it); sys.modules restored."""
+    saved = {k: sys.modules.get(k) for k in ("tensorrt", "tensorrt.plugin", REG)}
+    sys.modules.pop(REG, None)
+    try:
+        trt, _, registry = trt_contract.install()
+        import importlib
+
+        yield trt, registry, importlib.import_module(REG)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
+def _first_width(op: str, a: AttentionAttrs) -> int:
+    return (a.num_heads + 2 * a.num_kv_heads) * a.head_size if op == "KVCacheWrite" else a.num_heads * a.head_size
+
+
+def _inputs(op: str, activation: str, a: AttentionAttrs) -> list[Any]:
+    return trt_contract.input_descs(op, activation, a.kv_cache_dtype, _first_width(op, a))
+
+
+def _fields(op: str, a: AttentionAttrs) -> dict[str, Any]:
+    return {k: v for k, v in asdict(a).items() if k in OP_FIELDS[op]}
+
+
+@pytest.mark.parametrize(("activation", "attrs"), CASES)
+def test_output_shapes_and_types(registered: Any, activation: str, attrs: dict[str, Any]) -> None:
+    _, registry, _ = registered
+    a = AttentionAttrs(**attrs)
+    for op in OPS:
+        inputs = _inputs(op, activation, a)
+        out = registry["register"][f"trtbuild::{op}"](*inputs, **_fields(op, a))
+        assert out.dtype == inputs[0].dtype, op
+        assert len(out.shape_expr) == 2, op
+        assert out.shape_expr[0].text == inputs[0].shape_expr[0].text  # num_tokens, symbolic
+        assert out.shape_expr[1] == launch.output_width(a) == a.num_heads * a.head_size
+        assert out.get_aliased() is None  # the pool's in-place write is not declared (docs/kernels.md)
+
+
+def test_functions_follow_the_documented_schemas(registered: Any) -> None:
+    """aot_impl: (inputs, attributes, outputs, tactic); autotune: (inputs, outputs); register: (inputs, attributes),
+    the attributes exactly the op's fields (OP_FIELDS), inputs annotated TensorDesc."""
+    _, registry, _ = registered
+    for op in OPS:
+        pid = f"trtbuild::{op}"
+        reg = list(inspect.signature(registry["register"][pid]).parameters.values())
+        inputs = [p.name for p in reg if "TensorDesc" in str(p.annotation)]
+        attrs = [p.name for p in reg if "TensorDesc" not in str(p.annotation)]
+        assert len(inputs) == 6 and set(attrs) == OP_FIELDS[op], op
+        aot = list(inspect.signature(registry["aot_impl"][pid]).parameters)
+        assert aot == [*inputs, *attrs, "outputs", "tactic"], op
+        assert list(inspect.signature(registry["autotune"][pid]).parameters) == [*inputs, "outputs"], op
+
+
+def test_autotune_types_are_the_graph_types(registered: Any) -> None:
+    """Every (activation, pool) the kernels serve, typed as the exported graph types them: an int8 pool INT8, an
+    fp8 pool FLOAT8E4M3FN, which TensorRT's ONNX parser reads as DataType.FP8; the float pool the activations'."""
+    trt, registry, reg = registered
+    onnx_to_trt = {"INT8": trt.DataType.INT8, "FLOAT8E4M3FN": trt.DataType.FP8}
+    from onnx import TensorProto
+
+    for kv, onnx_type in KV_ONNX.items():
+        trt_type = trt_contract.str_to_data_type(reg.TRT_TYPE_NAMES[kv])
+        assert trt_type == onnx_to_trt[TensorProto.DataType.Name(onnx_type)], kv
+    for op in OPS:
+        combos = registry["autotune"][f"trtbuild::{op}"](*([None] * 6), outputs=(None,))
+        got = {(c.types[0], c.types[5]) for c in combos}
+        want = set()
+        for act in common.ACTIVATIONS:
+            for pool in (act, "int8", "fp8"):
+                common.check_types(pool, 64, act)  # served by a kernel
+                want.add((trt_contract.str_to_data_type(reg.TRT_TYPE_NAMES[act]),
+                          trt_contract.str_to_data_type(reg.TRT_TYPE_NAMES[pool])))  # fmt: skip
+        assert got == want and len(combos) == len(want)
+        for c in combos:
+            assert len(c.types) == 7 and c.types[1:5] == [trt.DataType.INT32] * 4 and c.types[6] == c.types[0]
+            assert c.layouts == ["LINEAR"]
+
+
+def test_aot_impl_refuses_a_pool_of_another_type(registered: Any) -> None:
+    trt, registry, _ = registered
+    a = AttentionAttrs(**CASES[1][1])  # int8 pool, bf16
+    inputs = _inputs("PagedAttention", "bfloat16", a)
+    inputs[5] = trt_contract.TensorDesc(list(inputs[5].shape_expr), trt.DataType.FP8)
+    out = registry["register"]["trtbuild::PagedAttention"](*inputs, **_fields("PagedAttention", a))
+    with pytest.raises(ValueError, match=r"kv_cache_dtype=.int8. needs INT8"):
+        registry["aot_impl"]["trtbuild::PagedAttention"](*inputs, **_fields("PagedAttention", a), outputs=(out,),
+                                                         tactic=0)  # fmt: skip
+
+
+def test_attrs_of_takes_the_op_fields_and_defaults_the_rest(registered: Any) -> None:
+    _, _, reg = registered
+    a = AttentionAttrs(**CASES[2][1])
+    for op in OPS:
+        got = reg.attrs_of(op, {**_fields(op, a), "outputs": (), "tactic": 0, "qkv": None})
+        for name in OP_FIELDS[op]:
+            assert getattr(got, name) == getattr(a, name), (op, name)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_launch_reads_the_kernel_modules(op: str) -> None:
+    """launch.py describes what the entry points launch: kernel = the jit function, threads = 32 * NUM_WARPS, the
+    module's grid and scalars over the same batch dims the entry points take from their tensors."""
+    m = KERNELS[op]
+    a = AttentionAttrs(**CASES[0][1])
+    first = torch.empty(5, _first_width(op, a))
+    dims = launch.batch_dims(first.shape, torch.empty(3).shape, torch.empty(3, 7).shape, torch.empty(2, 11).shape)
+    assert dims == (5, 3, 7, 11)
+    plan = launch.describe(op, a, dims, shared_mem=96)
+    assert plan.kernel == KERNEL_FUNCTIONS[op].__name__
+    assert plan.block_x == 32 * m.NUM_WARPS
+    assert plan.grid == tuple(m.grid(a, 5)) and plan.shared_mem == 96
+    assert plan.scalars == [5, 3, 7, 11, a.layer, common.float_bits(a.kv_scale)]
+    params = launch.parameters(op, a, "float16")
+    assert [t for _, t in params] == ["*fp16", "*i32", "*i32", "*i32", "*i32", "*fp16", *["i32"] * 6, "*fp16"]
+    with pytest.raises(ValueError, match="choose one of KVCacheWrite, PagedAttention"):
+        launch.kernel_name("Attention")
+
+
+def test_check_ptx_refuses_an_entry_with_the_hidden_scratch_parameters() -> None:
+    """PTX as Triton emits it (two trailing .u64 scratch pointers) is refused; stripped, it passes."""
+    a = AttentionAttrs(**CASES[0][1])
+    name = launch.kernel_name("PagedAttention")
+    params = [".u64"] * 6 + [".u32"] * len(common.SCALARS) + [".u64"]
+
+    def ptx(types_: list[str]) -> str:
+        lines = ",\n".join(f"\t.param {t} {name}_param_{i}" for i, t in enumerate(types_))
+        return f".version 8.4\n.visible .entry {name}(\n{lines}\n)\n.reqntid 128\n{{\n\tret;\n}}\n"
+
+    launch.check_ptx("PagedAttention", a, "float16", ptx(params))
+    with pytest.raises(ValueError, match=r"strips Triton's hidden scratch parameters"):
+        launch.check_ptx("PagedAttention", a, "float16", ptx([*params, ".u64", ".u64"]))
+    with pytest.raises(ValueError, match=r"has no \.entry attention_kernel"):
+        launch.check_ptx("PagedAttention", a, "float16", ptx(params).replace(name, "other"))
+
+
+def _entry(ptx: str) -> tuple[str, list[str], int]:
+    """(entry name, its parameter types, .reqntid x) of the PTX's one kernel."""
+    entries = re.findall(r"\.visible \.entry (\w+)\((.*?)\)", ptx, re.S)
+    assert len(entries) == 1, [e[0] for e in entries]
+    name, params = entries[0]
+    types_ = [line.split()[1] for line in params.strip().splitlines()]
+    reqntid = re.search(r"\.reqntid (\d+)", ptx)
+    assert reqntid, "no .reqntid in the PTX"
+    return name, types_, int(reqntid.group(1))
+
+
+@pytest.mark.slow
+def test_aot_impl_on_compiled_ptx() -> None:
+    """aot_impl's answer on real sm_90 PTX: the kernel name is the `.entry`; the entry's parameters are exactly the
+    6 input pointers (.u64), the extra args (.u32 / .s32), 1 output pointer, in that order; grid, block and shared
+    memory are launch.py's and the compile's (block = .reqntid); the args are SymInt32 — the batch dims symbolic,
+    from the right input dims, layer and kv_scale's float bits constant. ~1.5 s per compile: 8 of them."""
+    cases = [
+        {"op": op, "activation": act, "arch": "sm_90", "num_tokens": 7, "attrs": attrs}
+        for act, attrs in CASES
+        for op in OPS
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    script = Path(trt_contract.__file__)
+    res = subprocess.run(
+        [sys.executable, str(script), json.dumps(cases)], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    results = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, r in zip(cases, results, strict=True):
+        op, a = case["op"], AttentionAttrs(**case["attrs"])
+        first = "qkv" if op == "KVCacheWrite" else "q"
+        where = f"{op} {case['activation']} {a.kv_cache_dtype} hd{a.head_size}"
+        name, types_, reqntid = _entry(r["ptx"])
+        assert r["name"] == name == launch.kernel_name(op) == r["compiled"]["name"], where
+        n_args = len(r["args"])
+        assert len(types_) == 6 + n_args + 1, (where, types_)
+        assert types_[:6] == [".u64"] * 6 and types_[-1] == ".u64", (where, types_)
+        assert all(t in (".u32", ".s32") for t in types_[6:-1]), (where, types_)
+        assert r["compiled"]["scratch"] == [0, 0], f"{where}: the stripped scratch pointers are used"
+        assert r["block"] == [reqntid, 1, 1] == [launch.block_threads(op), 1, 1], where
+        assert reqntid == 32 * r["compiled"]["num_warps"], where
+        assert r["shared_mem"] == r["compiled"]["shared"], where
+        grid = launch.grid(op, a, case["num_tokens"])
+        assert r["grid"][0]["sym"] == f"{first}.0", where
+        assert [g["value"] if isinstance(g, dict) else g for g in r["grid"]] == list(grid), where
+        assert r["args_not_symint32"] == [], where
+        bits = struct.unpack("<i", struct.pack("<f", a.kv_scale))[0]
+        assert dict(zip(common.SCALARS, r["args"], strict=True)) == {
+            "num_tokens": {"sym": f"{first}.0", "value": case["num_tokens"]},
+            "num_seqs": {"sym": "new_lens.0", "value": None},
+            "max_blocks": {"sym": "block_tables.1", "value": None},
+            "num_blocks": {"sym": "kv_cache.1", "value": None},
+            "layer": a.layer,
+            "kv_scale_bits": bits,
+        }, where

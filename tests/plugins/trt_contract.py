@@ -1,0 +1,381 @@
+"""A stand-in for `tensorrt` and `tensorrt.plugin` that follows the documented ahead-of-time plugin contract, for
+testing toolchain/plugins/tensorrt_registration.py where TensorRT cannot be installed; and, run as a script, the
+registration's aot_impl on real PTX (a subprocess: compiling needs TRITON_INTERPRET unset, which pytest sets).
+
+What it mirrors (TensorRT's python/packaging/bindings_wheel/tensorrt/plugin, 10.x): `register` / `autotune` /
+`aot_impl` check the functions' signatures and annotations as its _validate.py does (as classes: a string
+annotation fails) and record them; `TensorDesc` has `shape_expr`, `dtype`, `like()`, `aliased()`; shape expressions
+support + - * //; `KernelLaunchParams` wraps every field in `SymInt32`; TensorRT refuses an extra argument that is
+not a `SymInt32` ("Extra args must be a 'tensorrt.plugin.SymInt32'"); `AutoTuneCombination` type names are "FP32",
+"FP16" or a `trt.DataType` member name. Here a symbolic dim is a `Sym` whose text names its origin ("q.0")."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import json
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class DataType(enum.Enum):
+    FLOAT = 0
+    HALF = 1
+    INT8 = 2
+    INT32 = 3
+    BOOL = 4
+    UINT8 = 5
+    FP8 = 6
+    BF16 = 7
+    INT64 = 8
+
+
+def str_to_data_type(name: str) -> DataType:
+    """tensorrt.plugin's _str_to_data_type: FP32, FP16, else a DataType member's name."""
+    if name == "FP32":
+        return DataType.FLOAT
+    if name == "FP16":
+        return DataType.HALF
+    return DataType[name]
+
+
+class Sym:
+    """A symbolic int: its text, and its value given the values of the named dims."""
+
+    def __init__(self, text: str, fn: Callable[[dict[str, int]], int] | None = None):
+        self.text = text
+        self.fn = fn or (lambda env: env[text])
+
+    def _op(self, other: Any, sign: str, f: Callable[[int, int], int]) -> Sym:
+        o = other if isinstance(other, Sym) else Sym(str(other), lambda env, v=int(other): v)
+        return Sym(f"({self.text}{sign}{o.text})", lambda env: f(self.fn(env), o.fn(env)))
+
+    def __add__(self, o: Any) -> Sym:
+        return self._op(o, "+", lambda x, y: x + y)
+
+    def __sub__(self, o: Any) -> Sym:
+        return self._op(o, "-", lambda x, y: x - y)
+
+    def __mul__(self, o: Any) -> Sym:
+        return self._op(o, "*", lambda x, y: x * y)
+
+    def __floordiv__(self, o: Any) -> Sym:
+        return self._op(o, "//", lambda x, y: x // y)
+
+    __radd__ = __add__
+    __rmul__ = __mul__
+
+    def __repr__(self) -> str:
+        return f"Sym({self.text})"
+
+
+class SymInt32:
+    def __init__(self, value: Any = None):
+        if isinstance(value, SymInt32):
+            value = value.value
+        if not isinstance(value, (int, Sym)) or isinstance(value, bool):
+            raise TypeError(f"SymInt32 of {type(value).__name__}: takes an int or a symbolic expression")
+        self.value = value
+
+
+class SymIntExprs:
+    def __init__(self, length: int):
+        self._exprs: list[Any] = [None] * length
+
+    def __setitem__(self, i: int, v: Any) -> None:
+        if i >= len(self._exprs):
+            raise IndexError("Index out of range")
+        self._exprs[i] = v
+
+    def __len__(self) -> int:
+        return len(self._exprs)
+
+    def __iter__(self) -> Any:
+        return iter(self._exprs)
+
+
+class KernelLaunchParams:
+    FIELDS = ("grid_x", "grid_y", "grid_z", "block_x", "block_y", "block_z", "shared_mem")
+
+    def __init__(self) -> None:
+        for f in self.FIELDS:
+            self.__dict__[f] = SymInt32(0 if f == "shared_mem" else 1)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self.FIELDS:
+            raise AttributeError(f"KernelLaunchParams object has no attribute '{name}'")
+        self.__dict__[name] = SymInt32(value)
+
+
+class ShapeExprs(list):  # type: ignore[type-arg]
+    pass
+
+
+class TensorDesc:
+    def __init__(self, shape_expr: list[Any], dtype: DataType):
+        self.shape_expr = ShapeExprs(shape_expr)
+        self.dtype = dtype
+        self._aliased_to: TensorDesc | None = None
+
+    def like(self) -> TensorDesc:
+        return TensorDesc(list(self.shape_expr), self.dtype)
+
+    def aliased(self) -> TensorDesc:
+        out = self.like()
+        out._aliased_to = self
+        return out
+
+    def get_aliased(self) -> TensorDesc | None:
+        return self._aliased_to
+
+
+class AutoTuneCombination:
+    def __init__(self, io_types: str, layouts: str = "LINEAR", tactics: Any = None):
+        self.io_types = [s.strip() for s in io_types.split(",")]
+        self.types = [str_to_data_type(t) for t in self.io_types]  # raises on a name TensorRT would refuse
+        self.layouts = [s.strip() for s in layouts.split(",")]
+
+
+SERIALIZABLE = (int, float, bytes, bool, str)
+EMPTY = inspect.Parameter.empty
+
+
+def _is_class(annotation: Any, cls: type) -> bool:
+    """issubclass as tensorrt.plugin calls it: on a string annotation (`from __future__ import annotations`) it
+    raises TypeError, as the real one does."""
+    if not inspect.isclass(annotation):
+        raise TypeError(f"issubclass() arg 1 must be a class, not {annotation!r}")
+    return issubclass(annotation, cls)
+
+
+def check_register(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
+    """tensorrt.plugin's _parse_register_inputs / _parse_register_return: every argument annotated, no defaults,
+    TensorDescs first, attributes of serializable builtin types, returns TensorDesc or a tuple of them."""
+    sig = inspect.signature(fn)
+    tensors: list[str] = []
+    attrs: dict[str, Any] = {}
+    for name, p in sig.parameters.items():
+        if p.annotation is EMPTY or p.default is not EMPTY:
+            raise ValueError(f"register argument {name}: needs a type annotation and no default")
+        if _is_class(p.annotation, TensorDesc):
+            if attrs:
+                raise ValueError("TensorDescs args and attribute args cannot be interspersed")
+            tensors.append(name)
+        elif p.annotation in SERIALIZABLE and name not in ("outputs", "stream", "tactic"):
+            attrs[name] = p.annotation
+        else:
+            raise ValueError(f"Attribute '{name}' of type {p.annotation} is not a supported serializable type")
+    ret = sig.return_annotation
+    outs = typing.get_args(ret) if typing.get_origin(ret) is tuple else (ret,)
+    if not all(_is_class(r, TensorDesc) for r in outs):
+        raise ValueError(f"Return argument is of type {ret}. Return types can only be TensorDesc or Tuple[TensorDesc].")
+    return tensors, attrs
+
+
+def _check_args(kind: str, fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]], tail: list[str]) -> None:
+    tensors, attrs = reg
+    sig = inspect.signature(fn)
+    used = []
+    for name, p in sig.parameters.items():
+        if p.annotation is EMPTY:
+            used += [name] if name in attrs else []
+        elif name == "outputs":
+            if typing.get_origin(p.annotation) is not tuple or not all(
+                _is_class(x, TensorDesc) for x in typing.get_args(p.annotation)
+            ):
+                raise ValueError(f"'outputs' should be of type Tuple[TensorDesc]. Received {p.annotation}.")
+        elif name == "tactic":
+            _is_class(p.annotation, int) or _fail("'tactic' input argument should be an int")
+        elif _is_class(p.annotation, TensorDesc):
+            name in tensors or _fail(f"Unexpected tensor '{name}' specified in {kind} function.")
+        else:
+            name in attrs or _fail(f"Unexpected attribute '{name}' specified in {kind} function.")
+            p.annotation == attrs[name] or _fail(f"Attribute '{name}' has a type annotation different from register's")
+            used.append(name)
+    expected = [*tensors, *(n for n in attrs if n in used), *tail]
+    if list(sig.parameters) != expected:
+        raise ValueError(f"Signature of the {kind} function {sig} does not match the expected schema {expected}")
+
+
+def _fail(message: str) -> bool:
+    raise ValueError(message)
+
+
+def check_aot_impl(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
+    """_validate_aot_impl: (inputs, attributes in order, outputs, tactic) -> tuple[str | bytes, str | bytes,
+    KernelLaunchParams, SymExprs], the return annotation mandatory."""
+    _check_args("aot_impl", fn, reg, ["outputs", "tactic"])
+    ret = inspect.signature(fn).return_annotation
+    args = typing.get_args(ret)
+    if typing.get_origin(ret) is not tuple or len(args) != 4:
+        raise ValueError(f"Return annotation is {ret}. Expected tuple[str | bytes, str | bytes, ...] of 4.")
+    for a in args[:2]:
+        for x in typing.get_args(a) if typing.get_origin(a) in (typing.Union, types.UnionType) else (a,):
+            x in (str, bytes) or _fail(f"Return annotation argument '{x}': expected 'str' or 'bytes'")
+    _is_class(args[2], KernelLaunchParams) or _fail(f"'{args[2]}': expected KernelLaunchParams")
+    _is_class(args[3], SymIntExprs) or _fail(f"'{args[3]}': expected a SymExprs")
+
+
+def check_autotune(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
+    """_validate_autotune: (inputs, attributes in order, outputs) -> list[AutoTuneCombination], if annotated."""
+    _check_args("autotune", fn, reg, ["outputs"])
+    ret = inspect.signature(fn).return_annotation
+    if ret is not EMPTY:
+        outs = typing.get_args(ret) if typing.get_origin(ret) is list else (ret,)
+        all(_is_class(r, AutoTuneCombination) for r in outs) or _fail(f"autotune returns {ret}")
+
+
+def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, Callable[..., Any]]]]:
+    """Put the stand-ins in sys.modules as `tensorrt` and `tensorrt.plugin`; returns them and the registry
+    {kind: {plugin id: function}} their decorators fill."""
+    trt = types.ModuleType("tensorrt")
+    trtp = types.ModuleType("tensorrt.plugin")
+    registry: dict[str, dict[str, Callable[..., Any]]] = {"register": {}, "autotune": {}, "aot_impl": {}}
+    schemas: dict[str, tuple[list[str], dict[str, Any]]] = {}
+
+    def decorator(kind: str) -> Callable[[str], Callable[[Callable[..., Any]], Callable[..., Any]]]:
+        def named(plugin_id: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+            def record(fn: Callable[..., Any]) -> Callable[..., Any]:
+                if plugin_id in registry[kind]:
+                    raise ValueError(f"{kind} for {plugin_id} registered twice")
+                if kind == "register":
+                    schemas[plugin_id] = check_register(fn)
+                elif plugin_id not in schemas:
+                    raise ValueError(f"{kind} for {plugin_id} before its register")
+                elif kind == "aot_impl":
+                    check_aot_impl(fn, schemas[plugin_id])
+                else:
+                    check_autotune(fn, schemas[plugin_id])
+                registry[kind][plugin_id] = fn
+                return fn
+
+            return record
+
+        return named
+
+    trt.DataType = DataType  # type: ignore[attr-defined]
+    trt.plugin = trtp  # type: ignore[attr-defined]
+    for name in ("register", "autotune", "aot_impl"):
+        setattr(trtp, name, decorator(name))
+    for cls in (TensorDesc, SymInt32, SymIntExprs, KernelLaunchParams, AutoTuneCombination):
+        setattr(trtp, cls.__name__, cls)
+    sys.modules["tensorrt"] = trt
+    sys.modules["tensorrt.plugin"] = trtp
+    return trt, trtp, registry
+
+
+# --- the subprocess: aot_impl on PTX compiled here ------------------------------------------------------------------
+
+
+def strip_hidden(ptx: str, entry: str, hidden: int = 2) -> str:
+    """The PTX with its entry's last `hidden` parameters (Triton's global and profile scratch pointers) removed:
+    what toolchain/plugins/compile.py is to hand TensorRT. Refuses if the body reads one of them."""
+    head = re.search(rf"\.entry {re.escape(entry)}\((.*?)\)", ptx, re.S)
+    assert head, f"no .entry {entry} in the PTX"
+    params = [p.strip().rstrip(",") for p in head.group(1).strip().splitlines()]
+    kept, gone = params[:-hidden], params[-hidden:]
+    for p in gone:
+        name = p.split()[-1]
+        assert ptx.count(name) == 1, f"the kernel body reads hidden parameter {name}"
+    body = ",\n\t".join(kept)
+    return ptx[: head.start(1)] + "\n\t" + body + "\n" + ptx[head.end(1) :]
+
+
+def compile_stripped(op: str, a: Any, activation: str, arch: str) -> Any:
+    """The local stand-in for toolchain.plugins.compile.compile_kernel: triton.compile for `arch`, PTX stripped."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS, common
+
+    m = KERNELS[op]
+    src = ASTSource(KERNEL_FUNCTIONS[op], m.signature(a, activation), m.constexprs(a, activation))
+    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
+    k = triton.compile(src, target=target, options={"num_warps": m.NUM_WARPS, **common.OPTIONS})
+    md = k.metadata
+    return types.SimpleNamespace(
+        name=md.name,
+        ptx=strip_hidden(k.asm["ptx"], md.name),
+        shared=md.shared,
+        num_warps=md.num_warps,
+        scratch=(md.global_scratch_size, md.profile_scratch_size),
+    )
+
+
+def input_descs(op: str, activation: str, pool: str, first_width: int) -> list[TensorDesc]:
+    """The op's six inputs with symbolic dims named after the input ("q.0"); the pool's trailing dims constant."""
+    first = "qkv" if op == "KVCacheWrite" else "q"
+    names = [first, "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]
+    types_ = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int8": "INT8", "fp8": "FP8"}
+    dims = {first: 2, "position_ids": 1, "context_lens": 1, "new_lens": 1, "block_tables": 2, "kv_cache": 6}
+    out = []
+    for n in names:
+        shape: list[Any] = [Sym(f"{n}.{i}") for i in range(dims[n])]
+        dtype = DataType.INT32
+        if n == first:
+            shape[1], dtype = first_width, DataType[types_[activation]]
+        elif n == "kv_cache":
+            dtype = DataType[types_[pool]]
+        out.append(TensorDesc(shape, dtype))
+    return out
+
+
+def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[str, Any]:
+    from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
+
+    op, activation = case["op"], case["activation"]
+    a = AttentionAttrs(**case["attrs"])
+    width = (a.num_heads + 2 * a.num_kv_heads) * a.head_size if op == "KVCacheWrite" else a.num_heads * a.head_size
+    inputs = input_descs(op, activation, "fp8" if a.kv_cache_dtype == "fp8" else a.kv_cache_dtype, width)
+    attrs = {k: v for k, v in asdict(a).items() if k in OP_FIELDS[op]}
+    out = registry["register"][f"trtbuild::{op}"](*inputs, **attrs)
+    seen: dict[str, Any] = {}
+
+    def compiled(op_: str, a_: Any, act_: str) -> Any:
+        seen["kernel"] = compile_stripped(op_, a_, act_, case["arch"])
+        return seen["kernel"]
+
+    reg.compiled = compiled
+    name, ptx, params, args = registry["aot_impl"][f"trtbuild::{op}"](*inputs, **attrs, outputs=(out,), tactic=0)
+    env = {"q.0": case["num_tokens"], "qkv.0": case["num_tokens"]}
+
+    def show(v: Any) -> Any:
+        v = v.value if isinstance(v, SymInt32) else v
+        return {"sym": v.text, "value": v.fn(env) if v.text in env else None} if isinstance(v, Sym) else v
+
+    bad = [type(x).__name__ for x in args if not isinstance(x, SymInt32)]
+    k = seen["kernel"]
+    return {
+        "name": name,
+        "ptx": ptx,
+        "grid": [show(getattr(params, f)) for f in ("grid_x", "grid_y", "grid_z")],
+        "block": [show(getattr(params, f)) for f in ("block_x", "block_y", "block_z")],
+        "shared_mem": show(params.shared_mem),
+        "args": [show(x) for x in args],
+        "args_not_symint32": bad,
+        "compiled": {"name": k.name, "shared": k.shared, "num_warps": k.num_warps, "scratch": list(k.scratch)},
+    }
+
+
+def main() -> None:
+    """argv[1]: a JSON list of cases {op, activation, arch, num_tokens, attrs}; prints a JSON list of results."""
+    sys.path.insert(0, str(ROOT))
+    _, _, registry = install()
+    import importlib
+
+    reg = importlib.import_module("toolchain.plugins.tensorrt_registration")
+    cases = json.loads(sys.argv[1])
+    print(json.dumps([run_case(c, registry, reg) for c in cases]))
+
+
+if __name__ == "__main__":
+    main()
