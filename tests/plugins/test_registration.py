@@ -225,7 +225,6 @@ def test_aot_impl_on_compiled_ptx() -> None:
         assert len(types_) == 6 + n_args + 1, (where, types_)
         assert types_[:6] == [".u64"] * 6 and types_[-1] == ".u64", (where, types_)
         assert all(t in (".u32", ".s32") for t in types_[6:-1]), (where, types_)
-        assert r["compiled"]["scratch"] == [0, 0], f"{where}: the stripped scratch pointers are used"
         assert r["block"] == [reqntid, 1, 1] == [launch.block_threads(op), 1, 1], where
         assert reqntid == 32 * r["compiled"]["num_warps"], where
         assert r["shared_mem"] == r["compiled"]["shared"], where

@@ -14,7 +14,6 @@ from __future__ import annotations
 import enum
 import inspect
 import json
-import re
 import sys
 import types
 import typing
@@ -275,42 +274,6 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
 # --- the subprocess: aot_impl on PTX compiled here ------------------------------------------------------------------
 
 
-def strip_hidden(ptx: str, entry: str, hidden: int = 2) -> str:
-    """The PTX with its entry's last `hidden` parameters (Triton's global and profile scratch pointers) removed:
-    what toolchain/plugins/compile.py is to hand TensorRT. Refuses if the body reads one of them."""
-    head = re.search(rf"\.entry {re.escape(entry)}\((.*?)\)", ptx, re.S)
-    assert head, f"no .entry {entry} in the PTX"
-    params = [p.strip().rstrip(",") for p in head.group(1).strip().splitlines()]
-    kept, gone = params[:-hidden], params[-hidden:]
-    for p in gone:
-        name = p.split()[-1]
-        assert ptx.count(name) == 1, f"the kernel body reads hidden parameter {name}"
-    body = ",\n\t".join(kept)
-    return ptx[: head.start(1)] + "\n\t" + body + "\n" + ptx[head.end(1) :]
-
-
-def compile_stripped(op: str, a: Any, activation: str, arch: str) -> Any:
-    """The local stand-in for toolchain.plugins.compile.compile_kernel: triton.compile for `arch`, PTX stripped."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS, common
-
-    m = KERNELS[op]
-    src = ASTSource(KERNEL_FUNCTIONS[op], m.signature(a, activation), m.constexprs(a, activation))
-    target = GPUTarget("cuda", int(arch.removeprefix("sm_")), 32)
-    k = triton.compile(src, target=target, options={"num_warps": m.NUM_WARPS, **common.OPTIONS})
-    md = k.metadata
-    return types.SimpleNamespace(
-        name=md.name,
-        ptx=strip_hidden(k.asm["ptx"], md.name),
-        shared=md.shared,
-        num_warps=md.num_warps,
-        scratch=(md.global_scratch_size, md.profile_scratch_size),
-    )
-
-
 def input_descs(op: str, activation: str, pool: str, first_width: int) -> list[TensorDesc]:
     """The op's six inputs with symbolic dims named after the input ("q.0"); the pool's trailing dims constant."""
     first = "qkv" if op == "KVCacheWrite" else "q"
@@ -341,7 +304,9 @@ def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[s
     seen: dict[str, Any] = {}
 
     def compiled(op_: str, a_: Any, act_: str) -> Any:
-        seen["kernel"] = compile_stripped(op_, a_, act_, case["arch"])
+        from toolchain.plugins.compile import compile_kernel  # the registration's own compile, cached on disk
+
+        seen["kernel"] = compile_kernel(op_, a_, act_, case["arch"])
         return seen["kernel"]
 
     reg.compiled = compiled
@@ -362,7 +327,7 @@ def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[s
         "shared_mem": show(params.shared_mem),
         "args": [show(x) for x in args],
         "args_not_symint32": bad,
-        "compiled": {"name": k.name, "shared": k.shared, "num_warps": k.num_warps, "scratch": list(k.scratch)},
+        "compiled": {"name": k.name, "shared": k.shared, "num_warps": k.num_warps},
     }
 
 
