@@ -133,7 +133,7 @@ def attention_kernel(
         k_at = ((layer_base + block * 2) * NUM_KV_HEADS + kv_head) * tile + row0 * HEAD_SIZE
         v_at = k_at + NUM_KV_HEADS * tile
         key = i * BLOCK_N + slot
-        valid = key <= pos + 1
+        valid = key <= pos
         if SLIDING_WINDOW > 0:
             valid = valid & (key > pos - SLIDING_WINDOW)
         # slots past the position (or before the window) are never loaded, and V is zeroed there again: they may
