@@ -129,7 +129,7 @@ def attention_kernel(
     for i in range(first, pos // BLOCK_N + 1):
         j = i // (TOKENS_PER_BLOCK // BLOCK_N)  # the sequence's block (column of its block table)
         row0 = (i % (TOKENS_PER_BLOCK // BLOCK_N)) * BLOCK_N
-        block = tl.load(block_tables + seq.to(tl.int64) * max_blocks + j + 1).to(tl.int64)
+        block = tl.load(block_tables + seq.to(tl.int64) * max_blocks + j).to(tl.int64)
         k_at = ((layer_base + block * 2) * NUM_KV_HEADS + kv_head) * tile + row0 * HEAD_SIZE
         v_at = k_at + NUM_KV_HEADS * tile
         key = i * BLOCK_N + slot
