@@ -138,7 +138,7 @@ def attention_kernel(
             valid = valid & (key > pos - SLIDING_WINDOW)
         # slots past the position (or before the window) are never loaded, and V is zeroed there again: they may
         # hold another request's tokens or NaN, and NaN would survive a zero probability (0 * NaN)
-        kv_mask = (key >= 0)[:, None] & cols[None, :]
+        kv_mask = valid[:, None] & cols[None, :]
         k = common.decode(tl.load(kv_cache + k_at + rows_at, mask=kv_mask, other=0), 1.0, KV)
         v = common.decode(tl.load(kv_cache + v_at + rows_at, mask=kv_mask, other=0), 1.0, KV)
         v = tl.where(kv_mask, v, 0.0)
