@@ -14,7 +14,6 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from triton.runtime.interpreter import InterpretedFunction
 
 from toolchain import seeded
 from toolchain.engine.geometry import blocks_for
@@ -128,11 +127,12 @@ def tolerance(x: Inputs) -> float:
     errors e in its weights move it by at most 2 e max|V|. Weight errors: a score q.k (fp32 products of exact
     operands, |q.k| * scale <= A = max|q| max|k| * scale by Cauchy-Schwarz) is off by at most (d + 8) u32 (A + 1);
     the accumulation over n keys and the exp2 / rescaling add (n + 8) u32; on a GPU p is rounded to the
-    activation's type before the PV product (u_p: its unit roundoff; the interpreter's fp32 products: u_p = u32).
+    activation's type before the PV product (u_p: its unit roundoff; with fp32 products, attention.dot_fp32:
+    u_p = u32).
     Then one rounding of the output to the activation's type: u_act max|V| (|out| <= max|V|)."""
     a, dtype = x.attrs, x.q.dtype
     u32, u_act = UNIT[torch.float32], UNIT[dtype]
-    u_p = u32 if isinstance(attention.attention_kernel, InterpretedFunction) or dtype == torch.float32 else u_act
+    u_p = u32 if attention.dot_fp32(str(dtype).removeprefix("torch.")) else u_act
     rows = pool_values(x).reshape(-1, a.head_size)
     rows = rows[~rows.isnan().any(1)]  # the slots some sequence owns (stale ones are NaN or extreme codes)
     k_norm = rows.norm(dim=1).max().item()

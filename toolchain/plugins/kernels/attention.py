@@ -56,9 +56,9 @@ def round_to(x, dtype: tl.constexpr):
 def dot(x, y, dtype: tl.constexpr, FP32: tl.constexpr):
     """x @ y on tensor cores, accumulated in fp32. The operands: in the activation's type `dtype` on a GPU (q as
     given; K and V as codes or the pool's floats, exact in fp16 / bf16; p rounded as FlashAttention does); fp32
-    with input_precision "ieee" (not TF32) for fp32 activations, and under Triton's interpreter, whose bf16 tl.dot
-    is wrong in 3.9 (triton issue 11584), so the entry point asks for it there: the same loads, indices and masks
-    as the compiled kernel, only the operands' type differs."""
+    with input_precision "ieee" (not TF32) for fp32 activations, and for bf16 under Triton's interpreter, whose
+    bf16 tl.dot is wrong in 3.9 (triton issue 11584), so the entry point asks for it there (dot_fp32): the same
+    loads, indices and masks as the compiled kernel, only the operands' type differs. fp16 runs as compiled."""
     if FP32:
         return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
     else:
@@ -185,7 +185,8 @@ def _key_rows(a: AttentionAttrs) -> int:
 
 def constexprs(a: AttentionAttrs, activation: str) -> dict[str, Any]:
     """The compiled-in values of the GPU variant (the one compiled ahead of time): products in the activation's
-    type, except fp32 activations (ieee fp32). The interpreter's entry point overrides DOT_FP32 (see the kernel)."""
+    type, except fp32 activations (ieee fp32). Under the interpreter the entry point overrides DOT_FP32 for bf16
+    (dot_fp32)."""
     return {
         "NUM_HEADS": a.num_heads,
         "NUM_KV_HEADS": a.num_kv_heads,
@@ -214,6 +215,13 @@ def grid(a: AttentionAttrs, num_tokens: Any) -> tuple[Any, Any, Any]:
     return num_tokens, a.num_kv_heads * -(-group // _group_rows(a)), 1
 
 
+def dot_fp32(activation: str) -> bool:
+    """Whether this process's launches take the fp32 products (see `dot`): for fp32 activations, and for bf16
+    ones under Triton's interpreter, whose bf16 tl.dot is wrong; fp16 runs its GPU products there too."""
+    interpreted = isinstance(attention_kernel, InterpretedFunction)
+    return activation == "float32" or (interpreted and activation == "bfloat16")
+
+
 def paged_attention(
     a: AttentionAttrs,
     q: torch.Tensor,
@@ -230,9 +238,7 @@ def paged_attention(
     if t == 0:
         return out
     dims = scalars(a, t, new_lens.shape[0], block_tables.shape[1], kv_cache.shape[1])
-    consts = constexprs(a, activation)
-    if isinstance(attention_kernel, InterpretedFunction):
-        consts["DOT_FP32"] = True
+    consts = {**constexprs(a, activation), "DOT_FP32": dot_fp32(activation)}
     attention_kernel[grid(a, t)](
         q, position_ids, context_lens, new_lens, block_tables, kv_cache, *dims, out,
         **consts, num_warps=NUM_WARPS, **common.OPTIONS,
