@@ -1,7 +1,7 @@
 """The Triton PagedAttention kernel, run by Triton's interpreter, against the reference op on the same inputs.
 
 Every variant the plugin serves (activation fp32 / fp16 / bf16; pool of the activation's floats, int8, fp8; head
-sizes 8 to 128; 16 / 32 / 64 tokens per block; GQA 1 to 20; a sliding window; q_scaling) on one batch that mixes a
+sizes 8 to 256; 16 / 32 / 64 tokens per block; GQA 1 to 20; a sliding window; q_scaling) on one batch that mixes a
 prefill chunk after a cached prefix, a prefill from position 0 and decode steps, with shuffled block tables and
 part-full last blocks. Every pool slot no sequence owns holds NaN (float pools, fp8's 0x7f) or an extreme int8
 code, so a read past a mask shows; the truth is the reference op in float64.
@@ -48,7 +48,8 @@ CASES = [
     Case("float16", "float16", 64, 16, 8, 1, True),
     Case("float16", "int8", 8, 64, 2, 2, False),
     Case("float16", "fp8", 24, 32, 8, 2, True),
-    Case("float16", "float16", 128, 64, 6, 2, True),  # GQA 3 (no power of two); 2 steps of 32 keys a block
+    Case("float16", "float16", 128, 64, 6, 2, True),  # GQA 3: a group that is no power of two
+    Case("bfloat16", "fp8", 256, 32, 4, 2, True),  # head size 256: two steps of 16 keys a block
     Case("bfloat16", "bfloat16", 24, 64, 4, 2, False, q_scaling=0.7),
     Case("bfloat16", "int8", 64, 16, 8, 1, True),
     Case("bfloat16", "fp8", 8, 32, 2, 2, True),
