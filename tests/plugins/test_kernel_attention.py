@@ -171,7 +171,9 @@ def run_and_compare(x: Inputs) -> tuple[float, float]:
         f"(got {got[worst].item():.6g}, want {want[worst].item():.6g}); tokens over it: "
         f"{(err > tol).any(1).nonzero()[:, 0].tolist()}"
     )
-    return err.max().item(), (err / want.abs().clamp_min(1e-3)).max().item()
+    # the relative error where the output is not near 0 (|want| >= 1/4 of its largest): the bound is in max|V|
+    big = want.abs() >= want.abs().max() / 4
+    return err.max().item(), (err[big] / want.abs()[big]).max().item()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))

@@ -176,13 +176,15 @@ def _group_rows(a: AttentionAttrs) -> int:
     return max(MIN_DOT, min(int(triton.next_power_of_2(a.num_heads // a.num_kv_heads)), MAX_GROUP_ROWS))
 
 
-def _key_rows(a: AttentionAttrs) -> int:
+def _key_rows(a: AttentionAttrs, activation: str) -> int:
     """Keys per step: a whole block up to head size 128 (up to 64 x 128 elements of K and of V, at most 160
     registers, no spill), 16 keys at head size 256 (84-128 registers; 32 keys took 211). Measured with ptxas -v
     for sm_80 / sm_90a / sm_120a, fp16 / bf16, every pool, 16 and 64 tokens per block: splitting a head-size-128
-    block in two steps of 32 made ptxas 13.4 spill 8-12 bytes at 80 registers."""
+    block in two steps of 32 made ptxas 13.4 spill 8-12 bytes at 80 registers. fp32 activations (ieee fp32
+    products, no tensor cores: the CPU reference's dtype, not a serving one) take 16 keys a step too; 16 of their
+    36 variants still spill (shared memory up to 65 KB)."""
     block_d = max(MIN_DOT, int(triton.next_power_of_2(a.head_size)))
-    return a.tokens_per_block if block_d <= 128 else MIN_DOT
+    return a.tokens_per_block if block_d <= 128 and activation != "float32" else MIN_DOT
 
 
 def constexprs(a: AttentionAttrs, activation: str) -> dict[str, Any]:
@@ -196,7 +198,7 @@ def constexprs(a: AttentionAttrs, activation: str) -> dict[str, Any]:
         "BLOCK_D": max(MIN_DOT, triton.next_power_of_2(a.head_size)),
         "TOKENS_PER_BLOCK": a.tokens_per_block,
         "KV": common.KV_CODES[a.kv_cache_dtype],
-        "BLOCK_N": _key_rows(a),
+        "BLOCK_N": _key_rows(a, activation),
         "GROUP": a.num_heads // a.num_kv_heads,
         "BLOCK_G": _group_rows(a),
         "SLIDING_WINDOW": a.sliding_window,
