@@ -13,7 +13,7 @@ their prefix again (from L2 on a GPU); a query-tiled prefill is not written yet.
 Compiled ahead of time, the pointer parameters must be declared 16-byte aligned (ASTSource attrs
 `{(i,): [["tt.divisibility", 16]]}` for each pointer; TensorRT's buffers are 256-byte aligned), as a native launch
 specializes them: without it Triton cannot vectorize the tile loads (one element per thread per load) and ptxas
-reports 208-255 registers with spills at head size 256 (triton 3.9, sm_80 / sm_90); with it 64-128 and none.
+reported 208-255 registers with spills at head size 256 (triton 3.9, sm_80 / sm_90, 4 warps); with it none.
 """
 
 from __future__ import annotations
@@ -30,7 +30,10 @@ from toolchain.engine.ops import AttentionAttrs
 from toolchain.plugins.kernels import common
 
 OP = "PagedAttention"
-NUM_WARPS = 4
+# 8 warps: with 4, ptxas spilled 4-8 bytes (at 71-80 registers) in 4 of 108 fp16 / bf16 head-size-128 variants
+# (sm_90a, sm_120a, 32 tokens per block); with 8, none in 132 (sm_80..120, every pool, head sizes 8 to 256,
+# 16 / 32 / 64 tokens per block, GQA 4 and 20, a window), at most 97 registers. ptxas as triton.compile runs it.
+NUM_WARPS = 8
 # tl.dot's smallest M, N and K: a GQA group shorter than this is padded with zero query rows, a head size with zero
 # columns (tokens_per_block, the other dimension, is at least 16).
 MIN_DOT = 16
@@ -177,12 +180,9 @@ def _group_rows(a: AttentionAttrs) -> int:
 
 
 def _key_rows(a: AttentionAttrs, activation: str) -> int:
-    """Keys per step: a whole block up to head size 128 (up to 64 x 128 elements of K and of V, at most 160
-    registers, no spill), 16 keys at head size 256 (84-128 registers; 32 keys took 211). Measured with ptxas -v
-    for sm_80 / sm_90a / sm_120a, fp16 / bf16, every pool, 16 and 64 tokens per block: splitting a head-size-128
-    block in two steps of 32 made ptxas 13.4 spill 8-12 bytes at 80 registers. fp32 activations (ieee fp32
-    products, no tensor cores: the CPU reference's dtype, not a serving one) take 16 keys a step too; 16 of their
-    36 variants still spill (shared memory up to 65 KB)."""
+    """Keys per step: a whole block up to head size 128 (K and V tiles up to 64 x 128), 16 keys at head size 256
+    (32 took 211 registers at 4 warps). fp32 activations (ieee fp32 products without tensor cores: the CPU
+    reference's dtype, not a serving one) take 16 keys a step too; 8 of their 36 GPU variants still spill."""
     block_d = max(MIN_DOT, int(triton.next_power_of_2(a.head_size)))
     return a.tokens_per_block if block_d <= 128 and activation != "float32" else MIN_DOT
 
