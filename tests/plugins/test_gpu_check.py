@@ -51,6 +51,7 @@ def test_cpu_mode_reports_every_part(tmp_path: Path) -> None:
         assert r["pass"] == (within and r["unowned_slots_untouched"]), name
     assert report["passed"] == all(r["pass"] for r in report["native"].values())
     assert res.returncode == (0 if report["passed"] else 1), res.stderr[-2000:]
+    assert report["passed"], {name: r for name, r in report["native"].items() if not r["pass"]}
     for part in ("aot", "sanitizer", "timing"):
         assert report[part] == {"skipped": "needs a CUDA GPU (--cpu run)"}, part
     md = (tmp_path / "gpu-check.md").read_text()
