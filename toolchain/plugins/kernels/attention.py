@@ -44,17 +44,6 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def round_to(x, dtype: tl.constexpr):
-    """fp32 to `dtype`, rounding to nearest even. A bf16 result is rounded by bit arithmetic first (then the cast
-    is exact): Triton 3.9's interpreter truncates fp32 to bf16, a GPU rounds to nearest even."""
-    if dtype == tl.bfloat16:
-        bits = x.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, ties to even
-        x = bits.to(tl.float32, bitcast=True)
-    return x.to(dtype)
-
-
-@triton.jit
 def dot(x, y, dtype: tl.constexpr, FP32: tl.constexpr):
     """x @ y on tensor cores, accumulated in fp32. The operands: in the activation's type `dtype` on a GPU (q as
     given; K and V as codes or the pool's floats, exact in fp16 / bf16; p rounded as FlashAttention does); fp32
@@ -153,7 +142,7 @@ def attention_kernel(
         m = m_new
 
     result = acc * (kv_scale / lsum)[:, None]
-    tl.store(out + q_at, round_to(result, out.dtype.element_ty), mask=rows[:, None] & cols[None, :])
+    tl.store(out + q_at, common.cast(result, out.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
 def check(a: AttentionAttrs, activation: str) -> None:
