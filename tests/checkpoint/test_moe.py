@@ -22,7 +22,7 @@ from toolchain import seeded
 from toolchain.checkpoint.convert import OutputTensor, _stacked, convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.sharding import Rule, shard
-from toolchain.checkpoint.spec import ExpertsFFN
+from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
@@ -129,6 +129,7 @@ def test_the_checkpoint_holds_tensorrt_llm_s_moe_layout(converted: dict[str, tup
         assert torch.equal(out[f"{p}.router.weight"], src[f"model.layers.0.{router}.weight"])
         assert out[f"{p}.fc.weight"].shape == (experts, 2 * size, BASE["hidden_size"])
         assert out[f"{p}.proj.weight"].shape == (experts, BASE["hidden_size"], size)
+        assert spec_of(cfg).in_features(f"{p}.proj") == size
         for e in range(experts):
             assert torch.equal(out[f"{p}.fc.weight"][e, :size], src[f"{s}.{e}.{up}.weight"])
             assert torch.equal(out[f"{p}.fc.weight"][e, size:], src[f"{s}.{e}.{gate}.weight"])

@@ -326,14 +326,17 @@ class ModelSpec:
 
     def in_features(self, linear: str) -> int:
         """The input width of linear `linear` (a layer's linear prefix, or lm_head): heads * head_size for
-        attention.dense, the intermediate size for mlp.proj, the hidden size for the others."""
+        attention.dense, the intermediate size for mlp.proj (an expert's for a mixture of experts), the hidden size
+        for the others."""
         if linear == "lm_head":
             return self.hidden_size
         for ls in self.layers:
             if linear in ls.linears():
                 p = ls.prefix
                 attention = self.num_heads * self.head_size
-                widths = {f"{p}.attention.dense": attention, f"{p}.mlp.proj": self.intermediate_size}
+                ffn = ls.ffn
+                width = ffn.expert_intermediate_size if isinstance(ffn, ExpertsFFN) else self.intermediate_size
+                widths = {f"{p}.attention.dense": attention, f"{p}.mlp.proj": width}
                 return widths.get(linear, self.hidden_size)  # qkv, fc, gate: the normed residual stream
         raise UserError(
             f"{linear} is not a linear of this {self.architecture} (lm_head, or a layer's qkv, dense, fc, gate, "
