@@ -32,6 +32,8 @@ def hf_classes(arch: str) -> tuple[Any, Any]:
         "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
         "gpt2": (transformers.GPT2Config, transformers.GPT2LMHeadModel),
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }[arch]
 
 
@@ -77,6 +79,18 @@ GEMMA3: dict[str, Any] = {
     },
 }
 
+# Mixture-of-experts cases (issue 26): Mixtral top-2 of 8 narrow experts; Qwen3-MoE with its q/k norms, a head_dim
+# of its own, top-3 of 8, and dense layers among the sparse ones.
+MIXTRAL: dict[str, Any] = {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 48}
+QWEN3_MOE: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "num_experts": 8,
+    "num_experts_per_tok": 3,
+    "moe_intermediate_size": 32,
+    "head_dim": 24,
+    "mlp_only_layers": [1],  # layers 0 and 2 sparse, layer 1 dense (intermediate_size 96)
+}
+
 
 @dataclass(frozen=True)
 class Parity:
@@ -119,6 +133,17 @@ PARITY: dict[str, Parity] = {
     ),
     "qwen3-windows": Parity(
         "qwen3", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}, engine=True
+    ),
+    "mixtral-top2-of-8": Parity("mixtral", MIXTRAL, seq=48),
+    "mixtral-window-top1-of-4": Parity(
+        "mixtral", {**MIXTRAL, "num_local_experts": 4, "num_experts_per_tok": 1, "sliding_window": 8}, seq=48
+    ),
+    "qwen3-moe-renormalised": Parity("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}, seq=48),
+    # decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
+    "qwen3-moe-unnormalised-step2": Parity(
+        "qwen3_moe",
+        {**QWEN3_MOE, "num_hidden_layers": 4, "norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2},
+        seq=48,
     ),
 }
 

@@ -131,7 +131,15 @@ def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
     shapes = [ckpt.tensors[s].shape for s in rule.srcs]
     if rule.transpose:
         shapes = [tuple(reversed(s)) for s in shapes]
-    return (sum(s[0] for s in shapes), *shapes[0][1:])
+    rows = sum(s[0] for s in shapes)
+    if rule.experts:
+        return (rule.experts, rows // rule.experts, *shapes[0][1:])
+    return (rows, *shapes[0][1:])
+
+
+def _dtype(out: OutputTensor, dtype: torch.dtype) -> torch.dtype:
+    """The tensor's dtype in the checkpoint: its rule's own (a MoE router's float32), else the checkpoint's."""
+    return out.rule.dtype or dtype
 
 
 def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
@@ -156,6 +164,9 @@ def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, d
 
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
     """Read the rule's sources, check, fuse, cast."""
+    dtype = _dtype(out, dtype)
+    if out.rule.experts:
+        return _stacked(out, reader, dtype)
     parts = [reader.get(s) for s in out.rule.srcs]
     if out.rule.transpose:
         parts = [p.t() for p in parts]
@@ -168,6 +179,23 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) ->
         first, second = tensor.chunk(2)
         tensor = torch.cat([second, first])
     return tensor.to(dtype).contiguous()
+
+
+def _stacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+    """A mixture-of-experts tensor [experts, rows, ...], filled one source tensor at a time: memory is the stacked
+    result plus one expert's tensor, never every expert's sources at once."""
+    tensor = torch.empty(out.shape, dtype=dtype)
+    per_expert = len(out.rule.srcs) // out.rule.experts
+    row = 0
+    for i, name in enumerate(out.rule.srcs):
+        expert, slot = divmod(i, per_expert)
+        row = 0 if slot == 0 else row
+        part = reader.get(name)
+        _check_values(name, reader.file_of(name), out.name, part, dtype)
+        tensor[expert, row : row + part.shape[0]] = part  # copy_ casts
+        row += part.shape[0]
+        del part
+    return tensor
 
 
 def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: Any) -> Iterator[torch.Tensor]:
@@ -196,6 +224,9 @@ def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: 
 def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
     """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
     makes a new tensor."""
+    dtype = _dtype(out, dtype)
+    if out.rule.experts:  # the stacked result and one source at a time
+        return math.prod(out.shape) * dtype.itemsize + max(reader.nbytes(s) for s in out.rule.srcs)
     read = sum(reader.nbytes(s) for s in out.rule.srcs)
     copies = len(out.rule.srcs) > 1 or out.rule.transpose or out.rule.halves_swapped
     copies = copies or any(reader.dtype(s) != dtype for s in out.rule.srcs)
@@ -245,18 +276,10 @@ def write_stage(
     cfg, dtype = plan.config, plan.config.torch_dtype
     tp = cfg.mapping.tp_size
     tensors = plan.stages[stage]
+    infos = [TensorInfo(o.name, _dtype(o, dtype), shard_shape(o.shape, o.rule.split, cfg, tp)) for o in tensors]
     paths = [out_dir / rank_file(cfg.mapping.rank(t, stage)) for t in range(tp)]
     with ExitStack() as stack:
-        writers = [
-            stack.enter_context(
-                SafetensorsWriter(
-                    path,
-                    [TensorInfo(o.name, dtype, shard_shape(o.shape, o.rule.split, cfg, tp)) for o in tensors],
-                    {"format": "pt"},
-                )
-            )
-            for path in paths
-        ]
+        writers = [stack.enter_context(SafetensorsWriter(path, infos, {"format": "pt"})) for path in paths]
         made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers, partial(_cost, reader, dtype))
         for out, full in zip(tensors, made, strict=True):
             for t, writer in enumerate(writers):

@@ -24,6 +24,8 @@ _FAMILIES: dict[str, str] = {
     "Phi3ForCausalLM": "toolchain.checkpoint.phi3",
     "GPT2LMHeadModel": "toolchain.checkpoint.gpt2",
     "Gemma3ForCausalLM": "toolchain.checkpoint.gemma3",
+    "MixtralForCausalLM": "toolchain.checkpoint.mixtral",
+    "Qwen3MoeForCausalLM": "toolchain.checkpoint.qwen3_moe",
 }
 
 Shape = tuple[int, ...]

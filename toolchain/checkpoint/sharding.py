@@ -14,6 +14,8 @@ _utils.py::pad_vocab_size):
   ranks, each KV head is repeated tp/kv times so every rank holds exactly one (tp must be a multiple of kv).
 - lm_head, the embedding (use_parallel_embedding, sharding dim 0) and GPT's position embedding are
   zero-padded to a multiple of tp rows, then split on dim 0.
+- A mixture-of-experts layer's router and stacked experts ("experts") are not split yet: tp > 1 is refused for a
+  model with one (issue 26's later slice: TensorRT-LLM's moe_tp / moe_ep modes).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from toolchain.checkpoint.spec import FFN, DenseFFN, ExpertsFFN, experts_unsuppo
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
-Split = Literal["replicate", "column", "row", "qkv", "vocab", "gate_up"]
+Split = Literal["replicate", "column", "row", "qkv", "vocab", "gate_up", "experts"]
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
 FIRST_STAGE = ("transformer.vocab_embedding.", "transformer.position_embedding.")
 LAST_STAGE = ("transformer.ln_f.", "lm_head.")
@@ -54,20 +56,23 @@ def split_of(name: str, ffn: FFN | None = None) -> Split:
 
 def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
     """How tensor `name` of a feed-forward block splits, `split` being what its name says: the one place sharding
-    dispatches on the FFN. A fused gate/up mlp.fc splits each half on its own ("gate_up")."""
+    dispatches on the FFN. A fused gate/up mlp.fc splits each half on its own ("gate_up"); a mixture of experts'
+    tensors are "experts", whole at tp=1 and refused above it."""
     match ffn:
         case DenseFFN(gate_up_fused=True) if split == "column" and ".mlp.fc." in name:
             return "gate_up"
         case DenseFFN():
             return split
         case ExpertsFFN():
-            raise experts_unsupported(f"tensor parallelism of {name}", ffn)
+            return "experts"
 
 
 @dataclass(frozen=True)
 class Rule:
     """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are stored
-    transposed (GPT-2's Conv1D keeps [in, out])."""
+    transposed (GPT-2's Conv1D keeps [in, out]). `experts` > 0: the sources are that many experts' tensors, each
+    expert's consecutive, and the result is stacked [experts, rows / experts, ...] (convert fills it expert by
+    expert); `dtype`: the tensor's own dtype instead of the checkpoint's (a MoE router: float32)."""
 
     dst: str
     srcs: tuple[str, ...]
@@ -75,6 +80,8 @@ class Rule:
     offset: float = 0.0  # added in float32 before the cast (Gemma's norms: TensorRT-LLM stores 1 + w)
     halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
     ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
+    experts: int = 0
+    dtype: torch.dtype | None = None
 
     @property
     def split(self) -> Split:
@@ -93,11 +100,27 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
             f"num_key_value_heads {cfg.num_key_value_heads}, intermediate_size {cfg.intermediate_size}); "
             f"valid: {', '.join(map(str, valid))}"
         )
+    if tp > 1:
+        _check_experts_unsplit(cfg, tp, source)
     if pp > cfg.num_hidden_layers:
         raise UserError(
             f"{source}: pipeline-parallel size {pp} (--pp, convert.pp) exceeds num_hidden_layers "
             f"{cfg.num_hidden_layers}; use at most that"
         )
+
+
+def _check_experts_unsplit(cfg: ModelConfig, tp: int, source: str) -> None:
+    from toolchain.checkpoint.spec import spec_of  # the registry (spec_of) imports this module
+
+    for ls in spec_of(cfg, source).layers:
+        if isinstance(ls.ffn, ExpertsFFN):
+            raise experts_unsupported(f"{source}: --tp {tp}, layer {ls.index}", ls.ffn)
+
+
+def _experts_unsplit(tp: int) -> UserError:
+    return UserError(
+        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (issue 26); convert with tp=1"
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -141,6 +164,8 @@ def padded_vocab(vocab: int, tp: int) -> int:
 def shard_shape(shape: tuple[int, ...], split: Split, cfg: ModelConfig, tp: int) -> tuple[int, ...]:
     if tp == 1 or split == "replicate" or (split == "row" and len(shape) == 1):
         return shape
+    if split == "experts":
+        raise _experts_unsplit(tp)
     if split == "row":
         return (shape[0], shape[1] // tp, *shape[2:])
     if split == "vocab":
@@ -159,6 +184,8 @@ def shard(tensor: torch.Tensor, split: Split, cfg: ModelConfig, tp: int, rank: i
     """The slice of `tensor` that TP rank `rank` holds (contiguous)."""
     if tp == 1 or split == "replicate" or (split == "row" and tensor.dim() == 1):
         return tensor
+    if split == "experts":
+        raise _experts_unsplit(tp)
     if split == "row":
         return tensor.chunk(tp, dim=1)[rank].contiguous()
     if split == "vocab":
@@ -188,6 +215,8 @@ def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows
     tp = len(parts)
     if tp == 1 or split == "replicate" or (split == "row" and parts[0].dim() == 1):
         return parts[0]
+    if split == "experts":
+        raise _experts_unsplit(tp)
     if split == "row":
         return torch.cat(parts, dim=1)
     if split == "vocab":

@@ -11,7 +11,8 @@ are stems under its prefix (`input_layernorm`, ...).
 
 A layer's feed-forward block is a variant, `DenseFFN` or `ExpertsFFN`, and each consumer dispatches on it in one
 function: `LayerSpec.mlp_inputs` (its linears), `ReferenceModel.mlp`, the exporter's `ffn`, `sharding.ffn_split` and
-`calibrate.check_ffns`. Mixture-of-experts layers are described but refused there by `experts_unsupported` (issue 26).
+`calibrate.check_ffns`. Mixture-of-experts layers (issue 26) are converted and run by the reference forward; where a
+stage does not run them yet it refuses them with `experts_unsupported`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ NORMS = ("rms", "layer")
 # the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
 ACTIVATIONS = ("silu", "swiglu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 ROPE_SCALINGS = ("linear", "llama3")
-# How a router turns its logits into the top-k experts' weights: softmax over all experts then the top k (Qwen2-MoE),
-# the top k logits then a softmax over them (Mixtral), or softmax, top k, and the k weights renormalised to sum to 1
-# (Qwen3-MoE's norm_topk_prob).
+# How a router turns its logits into the top-k experts' weights: softmax over all experts then the top k (Qwen2-MoE,
+# Qwen3-MoE without norm_topk_prob; TensorRT-LLM's normalization_mode NONE), the top k logits then a softmax over them,
+# or softmax, top k, and the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob; TensorRT-LLM's
+# RENORMALIZE, as transformers computes it). The last two are equal in exact arithmetic.
 ROUTER_NORMS = ("softmax_topk", "topk_softmax", "softmax_topk_renormalise")
 _T = TypeVar("_T")
 
@@ -127,8 +129,9 @@ class SharedExperts:
 @dataclass(frozen=True)
 class ExpertsFFN:
     """A mixture of experts: a router picks `top_k` of `num_experts` MLPs per token (each `expert_intermediate_size`
-    wide, gated like DenseFFN or not) and weighs their outputs as `router_norm` says (ROUTER_NORMS); `shared`
-    experts, if any, run on every token. Described only: no stage runs it yet (issue 26)."""
+        wide, gated like DenseFFN or not) and weighs their outputs as `router_norm` says (ROUTER_NORMS); `shared`
+        experts, if any, run on every token. Its tensors (docs/conversion.md, "Mixture-of-experts layers"): mlp.router
+    [E, H] float32, mlp.fc [E, 2I, H] holding each expert's [up; gate], mlp.proj [E, H, I]."""
 
     num_experts: int
     top_k: int
@@ -154,10 +157,11 @@ FFN = DenseFFN | ExpertsFFN  # a layer's feed-forward block
 
 
 def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
-    """The error every consumer raises where it meets an ExpertsFFN: MoE is described, not yet run."""
+    """The error a stage raises where it meets an ExpertsFFN it does not run yet (issue 26 lands MoE in slices)."""
     return UserError(
-        f"{where}: mixture-of-experts layers are not supported yet (issue 26): {ffn.num_experts} experts, top "
-        f"{ffn.top_k}; use a dense model"
+        f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
+        "yet (issue 26): convert (tp=1) and the reference forward run them; quantization, calibration and tensor "
+        "or expert parallelism of experts do not. Use the unquantized tp=1 checkpoint, or a dense model"
     )
 
 
@@ -210,8 +214,8 @@ class LayerSpec:
         one place the description names a feed-forward block's linears (what calibration observes, quantization
         quantizes and the checkpoint must hold)."""
         p, ffn = self.prefix, self.ffn
-        if isinstance(ffn, ExpertsFFN):
-            raise experts_unsupported(f"layer {self.index}", ffn)
+        if isinstance(ffn, ExpertsFFN):  # the router and the stacked experts' [up; gate] both read the MLP's input
+            return [f"{p}.mlp.router", f"{p}.mlp.fc"]
         return [f"{p}.mlp.fc", f"{p}.mlp.gate"] if ffn.gated and not ffn.gate_up_fused else [f"{p}.mlp.fc"]
 
     def smoothing_groups(self) -> list[tuple[Norm | None, list[str]]]:
@@ -322,14 +326,17 @@ class ModelSpec:
 
     def in_features(self, linear: str) -> int:
         """The input width of linear `linear` (a layer's linear prefix, or lm_head): heads * head_size for
-        attention.dense, the intermediate size for mlp.proj, the hidden size for the others."""
+        attention.dense, the intermediate size for mlp.proj (an expert's for a mixture of experts), the hidden size
+        for the others."""
         if linear == "lm_head":
             return self.hidden_size
         for ls in self.layers:
             if linear in ls.linears():
                 p = ls.prefix
                 attention = self.num_heads * self.head_size
-                widths = {f"{p}.attention.dense": attention, f"{p}.mlp.proj": self.intermediate_size}
+                ffn = ls.ffn
+                width = ffn.expert_intermediate_size if isinstance(ffn, ExpertsFFN) else self.intermediate_size
+                widths = {f"{p}.attention.dense": attention, f"{p}.mlp.proj": width}
                 return widths.get(linear, self.hidden_size)  # qkv, fc, gate: the normed residual stream
         raise UserError(
             f"{linear} is not a linear of this {self.architecture} (lm_head, or a layer's qkv, dense, fc, gate, "

@@ -41,7 +41,7 @@ from toolchain.checkpoint.trtllm import (
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quality import QualityReport, compare
-from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, sample_windows
+from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, check_ffns, sample_windows
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
@@ -258,6 +258,7 @@ def quantize_checkpoint(
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
     spec = spec_of(cfg)
+    check_ffns(spec, "quantization")  # every method, calibrated or not
     linears = quantizable(spec)
     missing = sorted(p for p in linears if f"{p}.weight" not in header)
     if missing:

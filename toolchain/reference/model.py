@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, experts_unsupported, spec_of
+from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
+from toolchain.errors import UserError
 from toolchain.reference.rope import apply_rotary, cos_sin
 
 
@@ -160,7 +161,7 @@ class ReferenceModel:
             case DenseFFN() as ffn:
                 return self.dense_ffn(x, ls.prefix, ffn)
             case ExpertsFFN() as ffn:
-                raise experts_unsupported(f"reference forward, layer {ls.index}", ffn)
+                return self.experts_ffn(x, ls.prefix, ffn)
 
     def dense_ffn(self, x: torch.Tensor, layer: str, ffn: DenseFFN) -> torch.Tensor:
         act, h = ACTIVATIONS[ffn.activation], self._linear(x, f"{layer}.mlp.fc", ffn.bias)
@@ -172,6 +173,42 @@ class ReferenceModel:
         else:
             h = act(h)
         return self._linear(h, f"{layer}.mlp.proj", ffn.bias and self.row_biases)
+
+    def route(self, x: torch.Tensor, layer: str, ffn: ExpertsFFN) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> (weights [tokens, top_k], experts [tokens, top_k]) of layer `layer`'s router.
+
+        The logits are computed in float32 (float64 in a float64 forward), as TensorRT-LLM's float32 router does;
+        the top k are `torch.topk` of the softmax probabilities, transformers' call, so exact ties pick the same
+        experts; the weights are normalised as `ffn.router_norm` says (spec.ROUTER_NORMS)."""
+        dtype = torch.promote_types(self.dtype, torch.float32)
+        logits = F.linear(x.to(dtype), self.w[f"{layer}.mlp.router.weight"].to(dtype))
+        if ffn.router_norm == "topk_softmax":
+            top, experts = torch.topk(logits, ffn.top_k, dim=-1)
+            return top.softmax(dim=-1), experts
+        top, experts = torch.topk(logits.softmax(dim=-1), ffn.top_k, dim=-1)
+        if ffn.router_norm == "softmax_topk_renormalise":
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top, experts
+
+    def experts_ffn(self, x: torch.Tensor, layer: str, ffn: ExpertsFFN) -> torch.Tensor:
+        """A mixture of experts (docs/conversion.md): each token through its top-k experts' gated MLPs
+        proj[e] · (act(gate) · up) with fc[e] = [up; gate], the outputs weighed by the router and summed."""
+        if ffn.shared is not None or ffn.bias or not ffn.gated:
+            raise UserError(
+                f"{layer}: the reference forward runs gated experts without biases or shared experts; this "
+                f"checkpoint's {ffn} is not one of them"
+            )
+        shape, act = x.shape, ACTIVATIONS[ffn.activation]
+        x = x.reshape(-1, shape[-1])
+        weights, experts = self.route(x, layer, ffn)
+        fc, proj = self.w[f"{layer}.mlp.fc.weight"], self.w[f"{layer}.mlp.proj.weight"]
+        out = torch.zeros_like(x)
+        for e in sorted(set(experts.flatten().tolist())):
+            tokens, slot = torch.where(experts == e)
+            up, gate = F.linear(x[tokens], fc[e]).chunk(2, dim=-1)
+            y = F.linear(act(gate) * up, proj[e])
+            out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
+        return out.reshape(shape)
 
     def lookup(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (plus learned position embeddings), before the spec's embedding scale."""
