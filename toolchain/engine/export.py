@@ -308,11 +308,9 @@ class _Exporter:
         TensorRT-LLM's router), the stacked experts' fc [E, 2I, H] ([up; gate]) and proj [E, H, I] in the engine
         dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN."""
         b, w, layer = self.b, self.w, ls.prefix
-        if ffn.shared is not None:
-            raise UserError(f"ONNX export, layer {ls.index}: shared experts are not exported yet (issue 26)")
-        names = [f"{layer}.mlp.{n}" for n in ("router", "fc", "proj")]
-        if any(quantized(n, w) for n in names):
-            raise experts_unsupported(f"ONNX export of quantized experts, layer {ls.index}", ffn)
+        p = f"{layer}.mlp"
+        if ffn.shared is not None or any(quantized(f"{p}.{n}", w) for n in ("router", "fc", "proj")):
+            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # shared or quantized experts: not yet
         a = MoEAttrs(
             number_of_experts=ffn.num_experts,
             top_k=ffn.top_k,
@@ -324,20 +322,20 @@ class _Exporter:
             use_bias=int(ffn.bias),
         )
         e, h = a.number_of_experts, a.expert_hidden_size
-        shapes = {names[0]: (e, h), names[1]: (e, a.fc_rows, h), names[2]: (e, h, a.expert_inter_size)}
+        shapes = {f"{p}.router.weight": (e, h), f"{p}.fc.weight": (e, a.fc_rows, h)}
+        shapes[f"{p}.proj.weight"] = (e, h, a.expert_inter_size)
         if ffn.bias:
-            shapes |= {f"{names[1]}.bias": (e, a.fc_rows), f"{names[2]}.bias": (e, h)}
+            shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
         inputs = [x]
         for name, shape in shapes.items():
-            tensor = w[name if name.endswith(".bias") else f"{name}.weight"]
+            tensor = w[name]
             if tuple(tensor.shape) != shape:
                 raise UserError(
                     f"{self.source}: {name} is {tuple(tensor.shape)}, layer {ls.index}'s experts need {shape} "
                     f"({e} experts, hidden {h}, expert width {a.expert_inter_size}); re-run convert"
                 )
-            key = name if name.endswith(".bias") else f"{name}.weight"
-            router = name == names[0]
-            inputs.append(b.const(key, tensor.float()) if router else b.float_const(key, tensor))
+            router = name == f"{p}.router.weight"
+            inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
         out = f"{layer}.mlp.out"
         b.nodes.append(
             helper.make_node(
