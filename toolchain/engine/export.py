@@ -4,7 +4,9 @@ Standard ONNX ops for embedding, norms, MLP and lm_head over packed 2-D activati
 explicit quantization as QuantizeLinear / DequantizeLinear pairs that say exactly what the quantize stage
 computed (int8 weights per output channel, int4 weights in blocks along the input, fp8 weights per tensor, int8 /
 fp8 activations per tensor, the pre-quantization scale as a Mul); attention as two plugin nodes per layer,
-`trtbuild::KVCacheWrite` then `trtbuild::PagedAttention`, whose attributes are the plugins' fields (ops.py).
+`trtbuild::KVCacheWrite` then `trtbuild::PagedAttention`, and a mixture-of-experts FFN as one `trtbuild::MoE` node
+taking the layer's router and stacked experts as initializers; the plugin nodes' attributes are the plugins' fields
+(ops.py).
 TensorRT builds this graph strongly typed; the CPU engine runs it with ONNX Runtime and our reference ops.
 
 Names and order are fixed by the checkpoint alone, so the same checkpoint gives the same bytes.
@@ -23,7 +25,7 @@ from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, exp
 from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.geometry import kv_block_shape
-from toolchain.engine.ops import AttentionAttrs
+from toolchain.engine.ops import MOE_OP, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
 from toolchain.quantize.methods.base import quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
@@ -284,7 +286,7 @@ class _Exporter:
             case DenseFFN() as ffn:
                 return self.dense_ffn(x, ls.prefix, ffn)
             case ExpertsFFN() as ffn:
-                raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)
+                return self.experts_ffn(x, ls, ffn)
 
     def dense_ffn(self, x: str, layer: str, ffn: DenseFFN) -> str:
         b = self.b
@@ -300,6 +302,48 @@ class _Exporter:
             if ffn.gated:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
                 m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ffn.bias)], f"{layer}.mlp.gated")
         return self.linear(m, f"{layer}.mlp.proj", ffn.bias)
+
+    def experts_ffn(self, x: str, ls: LayerSpec, ffn: ExpertsFFN) -> str:
+        """One `trtbuild::MoE` node: the normed hidden states, the router (float32 whatever the engine dtype, as
+        TensorRT-LLM's router), the stacked experts' fc [E, 2I, H] ([up; gate]) and proj [E, H, I] in the engine
+        dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN."""
+        b, w, layer = self.b, self.w, ls.prefix
+        p = f"{layer}.mlp"
+        if ffn.shared is not None or any(quantized(f"{p}.{n}", w) for n in ("router", "fc", "proj")):
+            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # shared or quantized experts: not yet
+        a = MoEAttrs(
+            number_of_experts=ffn.num_experts,
+            top_k=ffn.top_k,
+            expert_hidden_size=self.spec.hidden_size,
+            expert_inter_size=ffn.expert_intermediate_size,
+            router_norm=ffn.router_norm,
+            activation=ffn.activation,
+            gated=int(ffn.gated),
+            use_bias=int(ffn.bias),
+        )
+        e, h = a.number_of_experts, a.expert_hidden_size
+        shapes = {f"{p}.router.weight": (e, h), f"{p}.fc.weight": (e, a.fc_rows, h)}
+        shapes[f"{p}.proj.weight"] = (e, h, a.expert_inter_size)
+        if ffn.bias:
+            shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
+        inputs = [x]
+        for name, shape in shapes.items():
+            tensor = w[name]
+            if tuple(tensor.shape) != shape:
+                raise UserError(
+                    f"{self.source}: {name} is {tuple(tensor.shape)}, layer {ls.index}'s experts need {shape} "
+                    f"({e} experts, hidden {h}, expert width {a.expert_inter_size}); re-run convert"
+                )
+            router = name == f"{p}.router.weight"
+            inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
+        out = f"{layer}.mlp.out"
+        b.nodes.append(
+            helper.make_node(
+                MOE_OP, inputs, [out], name=f"{layer}.mlp/{MOE_OP}", domain=PLUGIN_DOMAIN, **a.to_attributes(MOE_OP)
+            )
+        )
+        b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, ["num_tokens", h]))
+        return out
 
     def graph(self) -> onnx.ModelProto:
         c, spec, b = self.cfg, self.spec, self.b

@@ -16,6 +16,25 @@ PagedAttention
   each new token attends, causally, to every cached and new token of its own sequence at positions <= its own (and
   > its own - sliding_window when there is one), reading K and V from the pool (dequantized); query head h reads
   KV head h // (heads / kv_heads). Scores are q.k / (sqrt(head_size) * q_scaling).
+
+One op per mixture-of-experts layer (issue 26), in place of the dense MLP's GEMMs:
+
+MoE
+  inputs   x [num_tokens, hidden] (the normed hidden states), router_weight [experts, hidden],
+           fc_weight [experts, fc_rows, hidden], proj_weight [experts, hidden, inter], then, when use_bias,
+           fc_bias [experts, fc_rows] and proj_bias [experts, hidden], then, when router_bias, router_bias [experts]
+           (inter = expert_inter_size; fc_rows = 2 * inter when gated: [up; gate], the activation on the second
+           half, TensorRT-LLM's `fc` of `MixtureOfExperts`, else inter)
+  outputs  y [num_tokens, hidden]
+  router logits x @ router_weight^T (+ router_bias) in float32; per token the top_k experts and their weights as
+  router_norm says (spec.ROUTER_NORMS: softmax_topk, softmax_topk_renormalise, topk_softmax, each computed as
+  transformers' router of that kind computes it, so torch.topk breaks ties as there); y = sum over the chosen
+  experts e of weight_e * proj_e(up_e(x) * act(gate_e(x))) (gated) or proj_e(act(fc_e(x))). The weights are the
+  layer's, as ONNX initializers (the checkpoint's tensors: docs/engine.md). Fields: number_of_experts, top_k,
+  expert_hidden_size, expert_inter_size, use_bias (TensorRT-LLM's MixtureOfExperts plugin fields of those names,
+  tensorrt_llm/layers/moe.py `_moe_plugin`); router_norm, activation (spec.ACTIVATIONS), gated and router_bias are
+  ours (TensorRT-LLM folds gating into activation_type, swiglu / geglu, and its normalization_mode enum has no
+  plain softmax-then-top-k without renormalising).
 """
 
 from __future__ import annotations
@@ -28,8 +47,10 @@ from typing import Any
 
 import torch
 
+from toolchain.checkpoint.spec import ACTIVATIONS, ROUTER_NORMS
 from toolchain.engine.geometry import blocks_for
 from toolchain.quantize.core import FP8_E4M3_MAX
+from toolchain.reference.model import ACTIVATIONS as ACTIVATION_FNS
 from toolchain.reference.rope import apply_rotary, cos_sin
 
 
@@ -354,4 +375,147 @@ def _decode_attention(
     return out.reshape(n, h, d)
 
 
-OPS = {"KVCacheWrite": kv_cache_write, "PagedAttention": paged_attention}
+MOE_OP = "MoE"  # plugin name = ONNX op_type (domain trtbuild) of a mixture-of-experts layer
+
+
+@dataclass(frozen=True)
+class MoEAttrs:
+    """The MoE op's fields (ONNX attributes of the node); see the module docstring."""
+
+    number_of_experts: int
+    top_k: int
+    expert_hidden_size: int
+    expert_inter_size: int
+    router_norm: str = "softmax_topk"  # spec.ROUTER_NORMS
+    activation: str = "silu"  # spec.ACTIVATIONS
+    gated: int = 1  # fc = [up; gate], proj(up * act(gate)); 0: proj(act(fc))
+    use_bias: int = 0  # fc_bias and proj_bias inputs
+    router_bias: int = 0  # a router_bias input (gpt-oss)
+
+    def __post_init__(self) -> None:
+        for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoE {name} {value!r}: expected a positive integer")
+        if self.top_k > self.number_of_experts:
+            raise ValueError(f"MoE top_k {self.top_k} exceeds number_of_experts {self.number_of_experts}")
+        if self.router_norm not in ROUTER_NORMS:
+            raise ValueError(f"MoE router_norm {self.router_norm!r}: expected one of {', '.join(ROUTER_NORMS)}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
+        for name in ("gated", "use_bias", "router_bias"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"MoE {name} {getattr(self, name)!r}: expected 0 or 1")
+
+    @property
+    def fc_rows(self) -> int:
+        return 2 * self.expert_inter_size if self.gated else self.expert_inter_size
+
+    def to_attributes(self, op: str) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if k in OP_FIELDS[op]}
+
+    @classmethod
+    def from_attributes(cls, op: str, attrs: dict[str, Any]) -> MoEAttrs:
+        unknown = set(attrs) - OP_FIELDS[op]
+        if unknown:
+            raise ValueError(f"{op}: unknown attributes {sorted(unknown)}")
+        return cls(**attrs)
+
+
+OP_FIELDS[MOE_OP] = {f.name for f in fields(MoEAttrs)}
+
+
+def route(
+    a: MoEAttrs, x: torch.Tensor, router_weight: torch.Tensor, router_bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [tokens, top_k] float32, experts [tokens, top_k] int64) of each token, as transformers' routers
+    compute them: logits in float32 (TensorRT-LLM's router is float32 too, "routing is sensitive"), then
+    softmax over all experts and torch.topk of the probabilities (Qwen2/3-MoE, Mixtral; renormalised over the k
+    for softmax_topk_renormalise), or torch.topk of the logits and a softmax over the k (topk_softmax, gpt-oss).
+    The same tensor reaches torch.topk as there, so ties break the same way."""
+    logits = torch.nn.functional.linear(
+        x.float(), router_weight.float(), None if router_bias is None else router_bias.float()
+    )
+    if a.router_norm == "topk_softmax":
+        top, experts = torch.topk(logits, a.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+    top, experts = torch.topk(torch.softmax(logits, dim=-1), a.top_k, dim=-1)
+    if a.router_norm == "softmax_topk_renormalise":
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, experts
+
+
+def moe(
+    a: MoEAttrs,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    fc_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    *biases: torch.Tensor,
+    memo: dict[Any, Any] | None = None,
+) -> torch.Tensor:
+    """The MoE layer's output [tokens, hidden] (module docstring): `biases` are fc_bias and proj_bias when
+    use_bias, then router_bias when router_bias. Computed as a grouped-GEMM kernel does: the (token, expert)
+    assignments sorted by expert, each expert's tokens gathered into one GEMM through fc, the activation, one
+    GEMM through proj, scaled by their router weights and scatter-added back; an expert no token chose costs
+    nothing. In float32 (float64 for float64 x). `memo` is unused (the routing differs per layer)."""
+    del memo
+    if len(biases) != 2 * a.use_bias + a.router_bias:
+        raise ValueError(
+            f"MoE: {len(biases)} bias inputs, expected {2 * a.use_bias + a.router_bias} (use_bias {a.use_bias}, "
+            f"router_bias {a.router_bias})"
+        )
+    fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
+    router_bias = biases[-1] if a.router_bias else None
+    t, e, k, inter = x.shape[0], a.number_of_experts, a.top_k, a.expert_inter_size
+    expected = {
+        "x": (x, (t, a.expert_hidden_size)),
+        "router_weight": (router_weight, (e, a.expert_hidden_size)),
+        "fc_weight": (fc_weight, (e, a.fc_rows, a.expert_hidden_size)),
+        "proj_weight": (proj_weight, (e, a.expert_hidden_size, inter)),
+    }
+    for name, (tensor, shape) in expected.items():
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"MoE {name} {tuple(tensor.shape)}: expected {shape} from the op's attributes")
+    dtype = x.dtype
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    weights, experts = route(a, x, router_weight, router_bias)
+    act = ACTIVATION_FNS[a.activation]
+    xc = x.to(compute)
+    out = torch.zeros(t, a.expert_hidden_size, dtype=compute)
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # assignments grouped by expert, tokens in order within each
+    counts = torch.bincount(flat, minlength=e).tolist()
+    tokens, scale = order // k, weights.reshape(-1)[order].to(compute)
+    start = 0
+    for expert, n in enumerate(counts):
+        if n == 0:
+            continue
+        rows = tokens[start : start + n]
+        h = torch.nn.functional.linear(
+            xc[rows], fc_weight[expert].to(compute), None if fc_bias is None else fc_bias[expert].to(compute)
+        )
+        if a.gated:  # [up; gate]: the second half activated (TensorRT-LLM's MoE fc, DenseFFN.gate_up_fused)
+            up, gate = h.chunk(2, dim=-1)
+            h = up * act(gate)
+        else:
+            h = act(h)
+        y = torch.nn.functional.linear(
+            h, proj_weight[expert].to(compute), None if proj_bias is None else proj_bias[expert].to(compute)
+        )
+        out.index_add_(0, rows, y * scale[start : start + n, None])
+        start += n
+    return out.to(dtype)
+
+
+OPS: dict[str, Callable[..., torch.Tensor]] = {
+    "KVCacheWrite": kv_cache_write,
+    "PagedAttention": paged_attention,
+    MOE_OP: moe,
+}
+# the attributes' class of each op (what the CPU engine parses a node's attributes into)
+OP_ATTRS: dict[str, type[AttentionAttrs] | type[MoEAttrs]] = {
+    "KVCacheWrite": AttentionAttrs,
+    "PagedAttention": AttentionAttrs,
+    MOE_OP: MoEAttrs,
+}

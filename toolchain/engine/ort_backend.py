@@ -4,7 +4,8 @@ implementations (ops.py).
 The graph is cut at its plugin nodes into segments of standard ops, one ONNX Runtime session each; a call runs
 segment, plugin node, segment, ... passing values by name. The KV pool never enters ONNX Runtime: it is one torch
 tensor the caller owns, handed to every plugin node, which writes the new tokens into it in place — the pool's
-pool is an input the plugins update in place, as a TensorRT engine's pool binding is.
+pool is an input the plugins update in place, as a TensorRT engine's pool binding is. A plugin node's initializer
+inputs (a MoE layer's router and experts) are read once, as torch tensors, when the engine opens.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, StepTokens, tokens_on_host
 from toolchain.engine.contract import PLUGIN_DOMAIN, Batch
-from toolchain.engine.ops import OPS, AttentionAttrs
+from toolchain.engine.ops import OP_ATTRS, OPS, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
 
 
@@ -36,9 +37,10 @@ class _Segment:
 @dataclass
 class _Plugin:
     op: str
-    attrs: AttentionAttrs
+    attrs: AttentionAttrs | MoEAttrs
     inputs: list[str]
     outputs: list[str]
+    weights: dict[str, torch.Tensor]  # its initializer inputs, by name
 
 
 def available_cores() -> int:
@@ -95,6 +97,20 @@ def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.Node
             run.append(node)
     parts.append((run, None))
     return parts
+
+
+def _plugin_inputs(step: _Plugin, values: dict[str, np.ndarray], kv_cache: torch.Tensor) -> list[torch.Tensor]:
+    """A plugin node's inputs: the pool itself (never a copy: the op writes it in place), its weights, and the
+    values computed so far (torch views of ONNX Runtime's arrays)."""
+    inputs = []
+    for name in step.inputs:
+        if name == "kv_cache":
+            inputs.append(kv_cache)
+        elif name in step.weights:
+            inputs.append(step.weights[name])
+        else:
+            inputs.append(torch.from_numpy(values[name]))
+    return inputs
 
 
 class OrtEngine:
@@ -158,10 +174,13 @@ class OrtEngine:
                 attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
                 op = plugin.op_type
                 try:
-                    parsed = AttentionAttrs.from_attributes(op, attrs)
+                    parsed = OP_ATTRS[op].from_attributes(op, attrs)
                 except (TypeError, ValueError) as e:
                     raise UserError(f"{model_path}: {e}; the graph is from another trtbuild version, rebuild it") from e
-                self.steps.append(_Plugin(op, parsed, list(plugin.input), list(plugin.output)))
+                weights = {
+                    i: torch.from_numpy(numpy_helper.to_array(inits[i]).copy()) for i in plugin.input if i in inits
+                }
+                self.steps.append(_Plugin(op, parsed, list(plugin.input), list(plugin.output), weights))
         self._check_graph(model, model_path)
 
     def _check_graph(self, model: onnx.ModelProto, model_path: Path) -> None:
@@ -169,7 +188,7 @@ class OrtEngine:
         kv = self.spec.kv_cache
         pool = next(i for i in model.graph.input if i.name == "kv_cache").type.tensor_type.shape.dim
         vocab = model.graph.output[0].type.tensor_type.shape.dim[1].dim_value
-        attrs = next(s for s in self.steps if isinstance(s, _Plugin)).attrs
+        attrs = next(s.attrs for s in self.steps if isinstance(s, _Plugin) and isinstance(s.attrs, AttentionAttrs))
         graph = (pool[0].dim_value, vocab, attrs.tokens_per_block, attrs.kv_cache_dtype, attrs.num_kv_heads)
         spec = (kv.num_layers, self.vocab_size, kv.tokens_per_block, kv.dtype, kv.num_kv_heads)
         if graph != spec or attrs.head_size != kv.head_size:
@@ -210,17 +229,6 @@ class OrtEngine:
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
                 values.update(zip(step.outputs, results, strict=True))
                 continue
-            x, pos, ctx, new, tables, pool = step.inputs
-            assert pool == "kv_cache", f"{pool}: plugins take the pool itself"
-            out = OPS[step.op](
-                step.attrs,
-                torch.from_numpy(values[x]),
-                torch.from_numpy(values[pos]),
-                torch.from_numpy(values[ctx]),
-                torch.from_numpy(values[new]),
-                torch.from_numpy(values[tables]),
-                kv_cache,
-                memo=memo,
-            )
+            out = OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache), memo=memo)
             values[step.outputs[0]] = out.numpy()
         return values["logits"]

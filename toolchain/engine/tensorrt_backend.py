@@ -18,7 +18,9 @@ from typing import Any
 import onnx
 
 from toolchain.engine.api import Limits
+from toolchain.engine.contract import PLUGIN_DOMAIN
 from toolchain.engine.onnx_fields import complete_plugin_fields
+from toolchain.engine.ops import MOE_OP
 from toolchain.errors import UserError
 from toolchain.manifest import gpu_info
 
@@ -89,6 +91,18 @@ def _profile_shapes(
     }
 
 
+def refuse_moe(graph: onnx.ModelProto, onnx_path: Path) -> None:
+    """No TensorRT kernel for the MoE op yet (a Triton grouped-GEMM kernel is a later slice of issue 26): one line
+    instead of a parser or plugin-registry failure."""
+    layers = [n.name.split("/")[0] for n in graph.graph.node if n.domain == PLUGIN_DOMAIN and n.op_type == MOE_OP]
+    if layers:
+        raise UserError(
+            f"--backend tensorrt: {onnx_path} has {len(layers)} mixture-of-experts layers ({layers[0]}, ...), and "
+            f"the trtbuild::{MOE_OP} op has no TensorRT kernel yet (issue 26); build the CPU engine with "
+            "--backend onnxruntime"
+        )
+
+
 def build_plan(
     onnx_path: Path,
     out_dir: Path,
@@ -98,6 +112,7 @@ def build_plan(
     cache_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Build and write engine.plan, layers.json and the timing cache; returns build facts for the manifest."""
+    refuse_moe(onnx.load(str(onnx_path), load_external_data=False), onnx_path)
     reason = available()
     if reason:
         raise UserError(f"--backend tensorrt: {reason}; use --backend onnxruntime (or auto) to build the CPU engine")
