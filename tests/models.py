@@ -134,16 +134,17 @@ PARITY: dict[str, Parity] = {
     "qwen3-windows": Parity(
         "qwen3", {"use_sliding_window": True, "sliding_window": 7, "max_window_layers": 1}, engine=True
     ),
-    "mixtral-top2-of-8": Parity("mixtral", MIXTRAL, seq=48),
+    "mixtral-top2-of-8": Parity("mixtral", MIXTRAL, seq=48, engine=True),
     "mixtral-window-top1-of-4": Parity(
         "mixtral", {**MIXTRAL, "num_local_experts": 4, "num_experts_per_tok": 1, "sliding_window": 8}, seq=48
     ),
-    "qwen3-moe-renormalised": Parity("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}, seq=48),
+    "qwen3-moe-renormalised": Parity("qwen3_moe", {**QWEN3_MOE, "norm_topk_prob": True}, seq=48, engine=True),
     # decoder_sparse_step 2: layers 1 and 3 sparse, 0 and 2 dense
     "qwen3-moe-unnormalised-step2": Parity(
         "qwen3_moe",
         {**QWEN3_MOE, "num_hidden_layers": 4, "norm_topk_prob": False, "mlp_only_layers": [], "decoder_sparse_step": 2},
         seq=48,
+        engine=True,
     ),
 }
 

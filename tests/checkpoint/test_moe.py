@@ -229,7 +229,7 @@ def test_a_checkpoint_config_with_a_moe_value_we_do_not_implement_is_refused(
 def test_what_does_not_run_experts_yet_says_so(converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     """Tensor parallelism and quantization of experts are later slices: refused in one line naming what runs."""
     hf, ckpt = converted["mixtral"]
-    what_runs = r"convert \(tp=1\) and the reference forward run them; quantization, calibration and tensor"
+    what_runs = r"convert \(tp=1\), the reference forward and the CPU engine run routed experts; shared experts"
     with pytest.raises(UserError, match=r"--tp 2, layer 0: mixture-of-experts layers \(8 experts, top 2\) are not "
                        r"supported here yet \(issue 26\): " + what_runs):  # fmt: skip
         convert(hf, tmp_path / "tp2", tp=2)

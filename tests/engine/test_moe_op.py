@@ -235,7 +235,7 @@ def test_inputs_that_disagree_with_the_attributes_are_refused() -> None:
 # A stand-in family for the engine test: a Llama whose layers but `mlp_only_layers` are sparse, read from the MoE
 # config fields of docs/conversion.md ("Mixture-of-experts layers": TensorRT-LLM's `moe` object,
 # `moe_intermediate_size`, our `mlp_only_layers`) plus `test_router_norm`, so that every ROUTER_NORMS mode runs through
-# the engine. The Mixtral and Qwen3-MoE families live in their own modules (another branch of issue 26); this test
+# the engine. The Mixtral and Qwen3-MoE families run end to end in tests/checkpoint/test_moe_engine.py; this test
 # needs only a spec with ExpertsFFN layers, under an architecture name of its own.
 ARCH = "TrtbuildTestMoeForCausalLM"
 EXPERTS, TOP_K, EXPERT_WIDTH = 6, 2, 40
@@ -262,26 +262,11 @@ def spec(cfg: Any) -> Any:
 
 @pytest.fixture
 def moe_family(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Registers the stand-in family. On a branch whose spec.py still refuses ExpertsFFN in `mlp_inputs` (the other
-    half of issue 26's first slice owns it), it also stands in for that, naming a sparse layer's MLP inputs as
-    docs/conversion.md lays them out ([mlp.router, mlp.fc]); where spec.py names them itself it is left alone."""
+    """Registers the stand-in family (every ROUTER_NORMS mode through the engine, which Mixtral and Qwen3-MoE alone
+    do not reach)."""
     from toolchain.checkpoint import registry
-    from toolchain.checkpoint.spec import ExpertsFFN, LayerSpec, Norm
-    from toolchain.errors import UserError
 
     monkeypatch.setitem(registry._FAMILIES, ARCH, __name__)
-    dense_inputs = LayerSpec.mlp_inputs
-
-    def mlp_inputs(self: LayerSpec) -> list[str]:
-        if isinstance(self.ffn, ExpertsFFN):
-            return [f"{self.prefix}.mlp.router", f"{self.prefix}.mlp.fc"]
-        return dense_inputs(self)
-
-    probe = LayerSpec(0, Norm("a"), Norm("b"), ffn=ExpertsFFN(num_experts=2, top_k=1, expert_intermediate_size=4))
-    try:
-        probe.mlp_inputs()
-    except UserError:
-        monkeypatch.setattr(LayerSpec, "mlp_inputs", mlp_inputs)
 
 
 def save_moe_checkpoint(tmp: Path, router_norm: str, seed: int = 0) -> Path:

@@ -160,8 +160,9 @@ def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
     """The error a stage raises where it meets an ExpertsFFN it does not run yet (issue 26 lands MoE in slices)."""
     return UserError(
         f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
-        "yet (issue 26): convert (tp=1) and the reference forward run them; quantization, calibration and tensor "
-        "or expert parallelism of experts do not. Use the unquantized tp=1 checkpoint, or a dense model"
+        "yet (issue 26): convert (tp=1), the reference forward and the CPU engine run routed experts; shared "
+        "experts, expert biases, quantization, calibration, tensor or expert parallelism of experts and the TensorRT "
+        "backend do not. Use the unquantized tp=1 checkpoint on the onnxruntime backend, or a dense model"
     )
 
 
