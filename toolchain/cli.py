@@ -674,9 +674,10 @@ def plugins_compile(
     jobs: Annotated[int | None, typer.Option("--jobs", "-j", min=1, help="Compile processes; default: CPUs.")] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Compile both Triton kernels ahead of time, for every variant of the matrix (activation x KV pool dtype on a
-    standard layer, plus the head sizes, block sizes, windows and rotary styles that take other code paths), to
-    the PTX TensorRT loads and a cubin per SM; report each kernel's registers, spills, shared memory and threads.
+    """Compile the Triton kernels ahead of time, for every variant of the matrix (activation x KV pool dtype on a
+    standard layer, plus the head sizes, block sizes, windows and rotary styles that take other code paths, and the
+    MoE experts' two GEMM stages on a Qwen3-30B-A3B-like and a small layer), to the PTX TensorRT loads and a cubin
+    per SM; report each kernel's registers, spills, shared memory and threads.
 
     The PTX is Triton's with its two hidden scratch parameters removed (TensorRT passes only inputs, int32 extra
     arguments and outputs) and the PTX ISA version set per SM (8.0 up to sm_90, 8.6 sm_100, 8.7 sm_120: loadable by

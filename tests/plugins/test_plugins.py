@@ -26,11 +26,11 @@ import pytest
 import torch
 from conftest import one_line_error
 
-from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, kv_cache_write, paged_attention
+from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, MoEAttrs, kv_cache_write, paged_attention
 from toolchain.errors import UserError
 from toolchain.plugins import compile as aot
 from toolchain.plugins import ptx as ptxtext
-from toolchain.plugins.kernels import KERNELS, common
+from toolchain.plugins.kernels import COMPILED, KERNELS, common, moe
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = sorted((ROOT / "tests" / "vectors").glob("*.npz"))
@@ -64,7 +64,7 @@ def _records(info: dict[str, Any]) -> list[tuple[str, str, str, dict[str, Any]]]
 
 def _expected_params(op: str, variant: aot.Variant) -> list[str]:
     """What TensorRT passes, from the kernel module's signature: pointers (u64), then int32 scalars, in order."""
-    sig = KERNELS[op].signature(variant.attrs, variant.activation)
+    sig = COMPILED[op].signature(variant.attrs, variant.activation)
     return ["u64 ptr" if t.startswith("*") else "u32" for t in sig.values() if t != "constexpr"]
 
 
@@ -73,16 +73,16 @@ def test_every_variant_compiles_for_every_sm_without_spills(compiled: dict[str, 
     assert set(compiled["archs"]) == set(aot.ARCHS) == {"sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120"}
     for arch, variants in compiled["archs"].items():
         assert set(variants) == {v.name for v in aot.VARIANTS}, arch
-        assert all(set(ops) == set(KERNELS) for ops in variants.values()), arch
+        assert all(set(ops) == set(v.ops) for v in aot.VARIANTS for ops in [variants[v.name]]), arch
     records = _records(compiled)
-    assert compiled["kernels"] == len(records) == len(aot.ARCHS) * len(aot.VARIANTS) * len(KERNELS)
+    assert compiled["kernels"] == len(records) == len(aot.ARCHS) * sum(len(v.ops) for v in aot.VARIANTS)
     spilling = [(a, v, op, r["spill_stores"], r["spill_loads"]) for a, v, op, r in records if r["spills"]]
     assert not spilling and compiled["spills"] == 0
     fields = {"name", "registers", "spill_stores", "spill_loads", "spills", "shared_bytes", "static_shared_bytes"}
     fields |= {"stack_bytes", "threads", "num_warps", "params", "ptx_version", "cached", "compile_s", "key", "ptx"}
     for arch, _, op, r in records:
         assert set(r) == fields | {"cubin"}, set(r) ^ (fields | {"cubin"})
-        assert r["threads"] == r["num_warps"] * 32 == KERNELS[op].NUM_WARPS * 32
+        assert r["threads"] == r["num_warps"] * 32 == COMPILED[op].NUM_WARPS * 32
         assert r["registers"] > 0 and r["static_shared_bytes"] == 0 and r["stack_bytes"] == 0
         # beyond 48 KiB of dynamic shared memory a launch needs cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)
         # first, which TensorRT's ahead-of-time launch is not known to make (docs/kernels.md)
@@ -93,13 +93,17 @@ def test_every_variant_compiles_for_every_sm_without_spills(compiled: dict[str, 
 
 @pytest.mark.slow
 def test_ptx_entries_take_exactly_what_tensorrt_passes(compiled: dict[str, Any]) -> None:
-    """6 input pointers, the int32 scalars (common.SCALARS), 1 output pointer — derived from each kernel module's
+    """The attention-pool kernels: 6 input pointers, the int32 scalars (common.SCALARS), 1 output pointer; the MoE
+    kernel: 5 input pointers (6 with biases), no scalar, 1 output pointer — derived from each kernel module's
     signature — in the PTX TensorRT loads and in the cubin ptxas made of it (cuobjdump's parameter sizes)."""
     variants = {v.name: v for v in aot.VARIANTS}
     seen = set()
     for arch, name, op, r in _records(compiled):
         expected = _expected_params(op, variants[name])
-        assert expected == ["u64 ptr"] * 6 + ["u32"] * len(common.SCALARS) + ["u64 ptr"]
+        if op in KERNELS:
+            assert expected == ["u64 ptr"] * 6 + ["u32"] * len(common.SCALARS) + ["u64 ptr"]
+        else:
+            assert expected == ["u64 ptr"] * (6 + variants[name].attrs.moe.use_bias)
         text = Path(r["ptx"]).read_text()
         entry, params = ptxtext.entry(text)
         assert entry == r["name"] and [str(p) for p in params] == expected == r["params"], (arch, name, op)
@@ -138,7 +142,7 @@ def test_the_table_names_every_kernel_on_every_sm(compiled: dict[str, Any], plug
         [arch, v.name, r["name"], *(str(r[f]) for f in ("registers", "spills", "shared_bytes", "threads"))]
         for arch in ("sm_100", "sm_80", "sm_89")
         for v in aot.VARIANTS
-        for r in (compiled["archs"][arch][v.name][op] for op in KERNELS)
+        for r in (compiled["archs"][arch][v.name][op] for op in v.ops)
     ]
     assert rows == expected
 
@@ -178,11 +182,20 @@ def test_compiling_under_the_interpreter_is_refused_clearly() -> None:
 
 
 def test_the_variants_take_every_code_path_of_the_attributes() -> None:
-    """Every activation x pool dtype on the standard layer, and each other shape or option at least once."""
-    pairs = {(v.activation, v.attrs.kv_cache_dtype) for v in aot.VARIANTS}
+    """Every activation x pool dtype on the standard layer, and each other shape or option at least once; both MoE
+    stages of a Qwen3-30B-A3B-like layer in fp16 and bf16, and of a small one."""
+    attention = [v for v in aot.VARIANTS if v.ops == tuple(KERNELS)]
+    pairs = {(v.activation, v.attrs.kv_cache_dtype) for v in attention}
     for act in ("float16", "bfloat16"):
         assert {(act, act), (act, "int8"), (act, "fp8")} <= pairs
-    attrs = [v.attrs for v in aot.VARIANTS]
+    experts = [v for v in aot.VARIANTS if v.ops == (moe.OP,)]
+    assert len(attention) + len(experts) == len(aot.VARIANTS)
+    qwen3 = MoEAttrs(number_of_experts=128, top_k=8, expert_hidden_size=2048, expert_inter_size=768)
+    for act in ("float16", "bfloat16"):
+        assert {(act, moe.Stage(qwen3, s)) for s in moe.STAGES} <= {(v.activation, v.attrs) for v in experts}
+    small = [v.attrs.moe for v in experts if v.attrs.moe != qwen3]
+    assert small and all(m.use_bias and m.activation == "gelu" and m.expert_inter_size % 16 for m in small)
+    attrs = [v.attrs for v in attention]
     assert {a.head_size for a in attrs} >= {128, 64, 8} and any(a.head_size & (a.head_size - 1) for a in attrs)
     assert {a.tokens_per_block for a in attrs} >= {16, 32, 64}
     assert {a.rotary_style for a in attrs} == {"neox", "none"}
@@ -190,8 +203,8 @@ def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     assert any(a.sliding_window for a in attrs) and any(a.num_heads == a.num_kv_heads for a in attrs)
     assert len({v.name for v in aot.VARIANTS}) == len(aot.VARIANTS)
     for v in aot.VARIANTS:
-        for module in KERNELS.values():
-            module.check(v.attrs, v.activation)  # no variant is one the kernels refuse
+        for op in v.ops:
+            COMPILED[op].check(v.attrs, v.activation)  # no variant is one the kernels refuse
 
 
 def _ptx(num: int, body: str) -> str:

@@ -24,11 +24,16 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-from toolchain.engine.ops import AttentionAttrs
+from toolchain.engine.ops import AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
 from toolchain.plugins import ptx as ptxtext
+
+if TYPE_CHECKING:
+    from toolchain.plugins.kernels.moe import Stage
+
+Attrs: TypeAlias = "AttentionAttrs | Stage"  # a plugin instance's attributes: an attention op's, or a MoE stage's
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 
@@ -105,11 +110,11 @@ class CompiledKernel:
 
 
 def _check_compilable(op: str) -> Any:
-    from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS
+    from toolchain.plugins.kernels import COMPILED, COMPILED_FUNCTIONS
 
-    if op not in KERNELS:
-        raise UserError(f"kernel op {op!r} is not one of {', '.join(KERNELS)}")
-    fn = KERNEL_FUNCTIONS[op]
+    if op not in COMPILED:
+        raise UserError(f"kernel op {op!r} is not one of {', '.join(COMPILED)}")
+    fn = COMPILED_FUNCTIONS[op]
     from triton.runtime.jit import JITFunction
 
     if not isinstance(fn, JITFunction) or os.environ.get("TRITON_INTERPRET", "0").lower() not in ("", "0", "false"):
@@ -149,12 +154,12 @@ def _alignment(signature: dict[str, str]) -> dict[tuple[int], list[list[Any]]]:
     return {(i,): [["tt.divisibility", POINTER_ALIGNMENT]] for i, t in enumerate(signature.values()) if t[0] == "*"}
 
 
-def _key(op: str, attrs: AttentionAttrs, activation: str, cap: int, digest: str) -> str:
+def _key(op: str, attrs: Attrs, activation: str, cap: int, digest: str) -> str:
     import triton
 
-    from toolchain.plugins.kernels import KERNELS
+    from toolchain.plugins.kernels import COMPILED
 
-    module = KERNELS[op]
+    module = COMPILED[op]
     what = {
         "sources": digest,
         "triton": triton.__version__,
@@ -208,15 +213,15 @@ def _run_ptxas(ptx: str, cap: int, name: str, fp_fusion: bool) -> tuple[bytes, p
 
 
 def compile_kernel(
-    op: str, attrs: AttentionAttrs, activation: str, arch: str | int, out_dir: Path | None = None
+    op: str, attrs: Attrs, activation: str, arch: str | int, out_dir: Path | None = None
 ) -> CompiledKernel:
-    """Kernel `op` (a toolchain.plugins.kernels.KERNELS key) for one plugin instance's attributes and activation
+    """Kernel `op` (a toolchain.plugins.kernels.COMPILED key) for one plugin instance's attributes and activation
     dtype on one SM: from the cache under `out_dir` (default cache_dir()) when an identical compile is there."""
     fn = _check_compilable(op)
     cap = capability(arch)
-    from toolchain.plugins.kernels import KERNELS
+    from toolchain.plugins.kernels import COMPILED
 
-    module = KERNELS[op]
+    module = COMPILED[op]
     module.check(attrs, activation)
     key = _key(op, attrs, activation, cap, _source_digest())
     out_dir = out_dir or cache_dir()
@@ -279,11 +284,14 @@ def compile_kernel(
 
 @dataclass(frozen=True)
 class Variant:
-    """One plugin instance `plugins compile` compiles on every SM: a name, the activation dtype, the attributes."""
+    """One plugin instance `plugins compile` compiles on every SM: a name, the activation dtype, the attributes,
+    the kernels (ops) compiled for it: both attention-pool kernels of an AttentionAttrs, the MoE kernel of a
+    moe.Stage."""
 
     name: str
     activation: str
-    attrs: AttentionAttrs = field(compare=False)
+    attrs: Attrs = field(compare=False)
+    ops: tuple[str, ...] = ("KVCacheWrite", "PagedAttention")
 
 
 _STANDARD = AttentionAttrs(layer=0, num_heads=32, num_kv_heads=8, head_size=128, tokens_per_block=32)
@@ -295,6 +303,17 @@ def _variant(name: str, activation: str, pool: str, base: AttentionAttrs = _STAN
     pool_name = f"{_SHORT[activation]}-{_SHORT[pool]}"
     attrs = replace(base, kv_cache_dtype=pool, kv_scale=0.02 if pool in ("int8", "fp8") else 1.0, **changes)
     return Variant(f"{pool_name}-{name}" if name else pool_name, activation, attrs)
+
+
+_QWEN3_MOE = MoEAttrs(number_of_experts=128, top_k=8, expert_hidden_size=2048, expert_inter_size=768)
+"""A Qwen3-30B-A3B-like MoE layer: 128 experts, top 8, hidden 2048, expert intermediate 768, SwiGLU."""
+
+
+def _moe_variants(name: str, activation: str, attrs: MoEAttrs) -> tuple[Variant, ...]:
+    from toolchain.plugins.kernels import moe
+
+    short = _SHORT[activation]
+    return tuple(Variant(f"{short}-moe-{name}-{s}", activation, moe.Stage(attrs, s), (moe.OP,)) for s in moe.STAGES)
 
 
 def _variants() -> tuple[Variant, ...]:
@@ -314,6 +333,13 @@ def _variants() -> tuple[Variant, ...]:
         _variant("d8-window", "float16", "float16", stories, sliding_window=64),
         # Llama 3.1's scaled rotary, a sliding window, Gemma's q_scaling
         _variant("llama3-window", "bfloat16", "bfloat16", sliding_window=4096, q_scaling=1.5, **llama3),
+        *(v for act in ("float16", "bfloat16") for v in _moe_variants("qwen3", act, _QWEN3_MOE)),
+        # a small layer: sizes that are not powers of two (masked tails), biases, gelu, a router bias (gpt-oss-like)
+        *_moe_variants(
+            "small-bias-gelu",
+            "float16",
+            MoEAttrs(8, 2, 96, 40, activation="gelu", use_bias=1, router_bias=1, router_norm="topk_softmax"),
+        ),
     )
 
 
@@ -328,14 +354,12 @@ class Job:
     op: str
     variant: str
     activation: str
-    attrs: AttentionAttrs
+    attrs: Attrs
     arch: str
 
 
 def jobs(archs: Iterable[str], variants: Iterable[Variant] = VARIANTS) -> list[Job]:
-    from toolchain.plugins.kernels import KERNELS
-
-    return [Job(op, v.name, v.activation, v.attrs, arch) for arch in archs for v in variants for op in KERNELS]
+    return [Job(op, v.name, v.activation, v.attrs, arch) for arch in archs for v in variants for op in v.ops]
 
 
 def _run_job(job: Job, out_dir: Path) -> CompiledKernel:

@@ -1,0 +1,247 @@
+"""The MoE op's experts in Triton: a grouped GEMM over the experts, each expert's routed tokens only.
+
+Same contract as the reference op `toolchain.engine.ops.moe` (its docstring is the op's definition):
+`moe(a, x, router_weight, fc_weight, proj_weight, *biases)` here takes the same arguments and returns the same y.
+Three steps, as TensorRT would run them (docs/kernels.md, "MoE"):
+
+1. routing — `ops.route` itself (router GEMM in float32, top-k, the router norm) and the assignments sorted by
+   expert: `assignments` [T*k] int32 (assignment t*k+j of token t's j-th expert, grouped by expert, tokens in order
+   within each, the reference's stable argsort) and `offsets` [E+1] int32 (expert e's assignments are
+   assignments[offsets[e]:offsets[e+1]]). Here in torch; in TensorRT a router plugin (not written yet).
+2. `moe_kernel` with STAGE 0 (fc): h[r] = up * act(gate) of x[assignments[r] // k] through expert e's fc rows,
+   h [T*k, I] in the activation type, in the sorted order; STAGE 1 (proj): out[assignments[r]] = weight *
+   (h[r] @ proj_e^T + proj_bias_e), out [T*k, H] in fp32, in assignment (token-major) order. One launch each: two
+   plugin instances of the same kernel. Programs over (expert, tile of BLOCK_M of its assignments, tile of
+   BLOCK_N output columns); a tile past its expert's count does nothing, so an expert no token chose costs one
+   load of its offsets and its weights are never read.
+3. y = out.view(T, k, H).sum(1) in fp32, cast to the activation type (TensorRT: a reduce layer and a cast).
+
+The products: in the activation's type on a GPU, accumulated in fp32; fp32 ("ieee") for fp32 activations and for
+bf16 under the interpreter, whose bf16 tl.dot is wrong in triton 3.9 (attention.py's `dot`). Kernel arguments
+follow TensorRT's ahead-of-time plugin convention (common.py): input pointers, no int32 scalar (every size is a
+constexpr of the plugin instance; the token count only shapes the grid), the output pointer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from toolchain.engine.ops import MoEAttrs, route
+from toolchain.plugins.kernels import common
+from toolchain.plugins.kernels.attention import dot
+
+OP = "MoE"
+NUM_WARPS = 4
+STAGES = ("fc", "proj")
+# Assignments per program: decode gives an expert a handful of tokens (T * top_k / E on average), so a small M tile
+# wastes the least; tl.dot's smallest M is 16.
+BLOCK_M = 16
+MAX_BLOCK = 64  # output columns (N) and reduction (K) per step: [16, 64] fp32 accumulators, [64, 64] weight tiles
+ACT_CODES = {"silu": 0, "swiglu": 0, "gelu": 1, "gelu_new": 1, "gelu_pytorch_tanh": 1, "relu": 2}
+SQRT_2_OVER_PI = 0.7978845608028654
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One plugin instance: the MoE op's attributes and which GEMM (STAGES) it runs."""
+
+    moe: MoEAttrs
+    stage: str
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def activate(x, ACT: tl.constexpr):
+    """spec.ACTIVATIONS in fp32: silu, gelu (tanh approximation, TensorRT-LLM's gelu), relu."""
+    if ACT == 0:
+        return x * sigmoid(x)
+    elif ACT == 1:
+        u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (1.0 + (2.0 * sigmoid(2.0 * u) - 1.0))  # tanh(u) = 2 sigmoid(2u) - 1
+    else:
+        return tl.maximum(x, 0.0)
+
+
+@triton.jit
+def moe_kernel(
+    a,
+    assignments,
+    offsets,
+    weights,
+    w,
+    bias,
+    out,
+    TOP_K: tl.constexpr,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    W_ROWS: tl.constexpr,
+    STAGE: tl.constexpr,
+    GATED: tl.constexpr,
+    ACT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    expert = tl.program_id(0)
+    start = tl.load(offsets + expert)
+    end = tl.load(offsets + expert + 1)
+    row0 = start + tl.program_id(1) * BLOCK_M
+    if row0 < end:
+        r = row0 + tl.arange(0, BLOCK_M)
+        rows = r < end
+        asg = tl.load(assignments + r, mask=rows, other=0)
+        # fc reads token asg // k of x; proj reads h's own (sorted) row r
+        a_row = (asg // TOP_K) if STAGE == 0 else r
+        n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = n < N
+        kk = tl.arange(0, BLOCK_K)
+        w_base = w + expert.to(tl.int64) * (W_ROWS * K)
+        act = a.dtype.element_ty
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + kk
+            at = tl.load(
+                a + a_row.to(tl.int64)[:, None] * K + ks[None, :], mask=rows[:, None] & (ks < K)[None, :], other=0.0
+            )
+            w_mask = (ks < K)[:, None] & cols[None, :]
+            wt = tl.load(w_base + n[None, :] * K + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
+            acc += dot(at, wt, act, DOT_FP32)
+            if STAGE == 0 and GATED:  # the gate half: rows N.. of fc = [up; gate]
+                gt = tl.load(w_base + (N + n)[None, :] * K + ks[:, None], mask=w_mask, other=0.0)
+                acc_gate += dot(at, gt, act, DOT_FP32)
+        if bias is not None:
+            b_base = bias + expert * W_ROWS
+            acc += tl.load(b_base + n, mask=cols, other=0.0).to(tl.float32)[None, :]
+            if STAGE == 0 and GATED:
+                acc_gate += tl.load(b_base + N + n, mask=cols, other=0.0).to(tl.float32)[None, :]
+        mask = rows[:, None] & cols[None, :]
+        if STAGE == 0:
+            h = acc * activate(acc_gate, ACT) if GATED else activate(acc, ACT)
+            tl.store(out + r.to(tl.int64)[:, None] * N + n[None, :], common.cast(h, out.dtype.element_ty), mask=mask)
+        else:
+            scale = tl.load(weights + asg, mask=rows, other=0.0)
+            tl.store(out + asg.to(tl.int64)[:, None] * N + n[None, :], acc * scale[:, None], mask=mask)
+
+
+def check(s: Stage, activation: str) -> None:
+    if activation not in common.ACTIVATIONS:
+        choices = ", ".join(common.ACTIVATIONS)
+        raise ValueError(f"activation dtype {activation!r} has no kernel; choose one of {choices}")
+    if s.stage not in STAGES:
+        raise ValueError(f"MoE stage {s.stage!r}: expected one of {', '.join(STAGES)}")
+
+
+def _dims(s: Stage) -> tuple[int, int, int]:
+    """(K, N, rows of one expert's weight) of the stage's GEMM: fc [I or 2I, H], proj [H, I]."""
+    m = s.moe
+    if s.stage == "fc":
+        return m.expert_hidden_size, m.expert_inter_size, m.fc_rows
+    return m.expert_inter_size, m.expert_hidden_size, m.expert_hidden_size
+
+
+def _block(size: int) -> int:
+    return max(16, min(MAX_BLOCK, int(triton.next_power_of_2(size))))
+
+
+def signature(s: Stage, activation: str) -> dict[str, str]:
+    """triton.compile's signature: a (x or h), assignments, offsets, weights, w (fc or proj), bias (a constexpr
+    None without use_bias), out (h in the activation type, or the weighted outputs in fp32), then the constexprs."""
+    check(s, activation)
+    act = "*" + common.ACTIVATIONS[activation]
+    bias = act if s.moe.use_bias else "constexpr"
+    sig = {"a": act, "assignments": "*i32", "offsets": "*i32", "weights": "*fp32", "w": act, "bias": bias}
+    sig["out"] = act if s.stage == "fc" else "*fp32"
+    consts = {k: "constexpr" for k in constexprs(s, activation) if k != "bias"}
+    return {**sig, **consts}
+
+
+def constexprs(s: Stage, activation: str) -> dict[str, Any]:
+    """The compiled-in values of the GPU variant; under the interpreter the entry point overrides DOT_FP32 for bf16
+    (dot_fp32)."""
+    k, n, w_rows = _dims(s)
+    consts: dict[str, Any] = {} if s.moe.use_bias else {"bias": None}
+    return {
+        **consts,
+        "TOP_K": s.moe.top_k,
+        "K": k,
+        "N": n,
+        "W_ROWS": w_rows,
+        "STAGE": STAGES.index(s.stage),
+        "GATED": bool(s.moe.gated),
+        "ACT": ACT_CODES[s.moe.activation],
+        "BLOCK_M": BLOCK_M,
+        "BLOCK_N": _block(n),
+        "BLOCK_K": _block(k),
+        "DOT_FP32": activation == "float32",
+    }
+
+
+def grid(s: Stage, num_tokens: Any) -> tuple[Any, Any, Any]:
+    """(expert, tile of BLOCK_M of its assignments, tile of output columns): an expert takes each token at most
+    once, so ceil(T / BLOCK_M) tiles cover any expert's count; the tiles past it return at once."""
+    _, n, _ = _dims(s)
+    return s.moe.number_of_experts, -(-num_tokens // BLOCK_M), -(-n // _block(n))
+
+
+def dot_fp32(activation: str) -> bool:
+    interpreted = isinstance(moe_kernel, InterpretedFunction)
+    return activation == "float32" or (interpreted and activation == "bfloat16")
+
+
+def sort_by_expert(experts: torch.Tensor, number_of_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(assignments [T*k] int32, offsets [E+1] int32) of the routing's experts [T, k]: the reference's stable
+    argsort (tokens in order within an expert) and the prefix sum of the counts."""
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=number_of_experts)
+    offsets = torch.zeros(number_of_experts + 1, dtype=torch.int64, device=flat.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    return order.to(torch.int32), offsets.to(torch.int32)
+
+
+def moe(
+    a: MoEAttrs,
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    fc_weight: torch.Tensor,
+    proj_weight: torch.Tensor,
+    *biases: torch.Tensor,
+) -> torch.Tensor:
+    if len(biases) != 2 * a.use_bias + a.router_bias:
+        raise ValueError(
+            f"MoE: {len(biases)} bias inputs, expected {2 * a.use_bias + a.router_bias} (use_bias {a.use_bias}, "
+            f"router_bias {a.router_bias})"
+        )
+    activation = str(x.dtype).removeprefix("torch.")
+    fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
+    t, k, hidden, inter = x.shape[0], a.top_k, a.expert_hidden_size, a.expert_inter_size
+    y = torch.zeros(t, hidden, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return y
+    weights, experts = route(a, x, router_weight, biases[-1] if a.router_bias else None)
+    assignments, offsets = sort_by_expert(experts, a.number_of_experts)
+    h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
+    steps = (("fc", x, fc_weight, fc_bias, h), ("proj", h, proj_weight, proj_bias, out))
+    for stage, src, w, bias, dst in steps:
+        s = Stage(a, stage)
+        check(s, activation)
+        consts = {**constexprs(s, activation), "DOT_FP32": dot_fp32(activation)}
+        consts.pop("bias", None)
+        moe_kernel[grid(s, t)](
+            src, assignments, offsets, weights.reshape(-1).contiguous(), w.contiguous(), bias, dst,
+            **consts, num_warps=NUM_WARPS, **common.OPTIONS,
+        )  # fmt: skip
+    return out.view(t, k, hidden).sum(1).to(x.dtype)
