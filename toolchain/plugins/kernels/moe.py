@@ -106,7 +106,7 @@ def moe_kernel(
         n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = n < N
         kk = tl.arange(0, BLOCK_K)
-        w_base = w + expert.to(tl.int64) * (N * K)
+        w_base = w + expert.to(tl.int64) * (W_ROWS * K)
         act = a.dtype.element_ty
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
