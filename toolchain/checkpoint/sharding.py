@@ -82,6 +82,12 @@ class Rule:
     ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
     experts: int = 0
     dtype: torch.dtype | None = None
+    # One source holding every expert (gpt-oss) instead of one per expert: "stacked", a tensor [E, ...] (`transpose`
+    # swaps its last two dims: [E, in, out] -> [E, out, in]); "mxfp4", the (blocks, scales) pair of one in MXFP4,
+    # dequantized to [E, out, in] (docs/conversion.md). `interleaved`: dim 1 alternates gate and up rows (even the
+    # gate), written as [up; gate].
+    packing: str = ""
+    interleaved: bool = False
 
     @property
     def split(self) -> Split:
