@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from toolchain.checkpoint import mxfp4
+from toolchain.checkpoint import gpt_oss, mxfp4
 from toolchain.checkpoint.convert import convert
-from toolchain.checkpoint.spec import ExpertsFFN
+from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
@@ -252,3 +252,65 @@ def test_the_engine_refuses_sinks_in_one_line(model: tuple[Path, Path], tmp_path
     with pytest.raises(UserError, match=r"layer 0's attention sinks / YaRN rope are not supported by the attention "
                        r"plugin yet \(issue 26\)"):  # fmt: skip
         build_engine(model[1], tmp_path / "engine", BuildOptions(backend="onnxruntime"))
+
+
+def test_the_published_gpt_oss_20b_config_is_read() -> None:
+    """openai/gpt-oss-20b's config.json as published (transformers 4.55's keys: `rope_scaling` and a top-level
+    `rope_theta`, `experts_per_token` beside `num_experts_per_tok`, the mxfp4 quantization_config)."""
+    hf = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 201088,
+    }  # fmt: skip
+    cfg = gpt_oss.config_from_hf(hf, "bfloat16", "config.json")
+    spec = spec_of(cfg)
+    assert spec.windows == [128, None] * 12 and all(ls.sinks and ls.qkv_bias and ls.dense_bias for ls in spec.layers)
+    ffn = spec.layers[0].ffn
+    assert isinstance(ffn, ExpertsFFN)
+    assert (ffn.num_experts, ffn.top_k, ffn.expert_intermediate_size) == (32, 4, 2880)
+    assert (ffn.router_norm, ffn.router_bias, ffn.bias) == ("topk_softmax", True, True)
+    assert (ffn.swiglu_alpha, ffn.swiglu_beta, ffn.swiglu_limit) == (1.702, 1.0, 7.0)
+    rope = spec.layers[0].rope
+    assert rope is not None and rope.base == 150000 and rope.scaling is not None
+    assert rope.scaling["factor"] == 32.0 and rope.scaling["truncate"] is False
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        {
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        {"factor": 8.0, "original_max_position_embeddings": 512},  # truncated ramp, default betas
+        {"factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0, "mscale_all_dim": 0.5},
+        {"factor": 4.0, "original_max_position_embeddings": 64, "attention_factor": 1.25},
+    ],
+)
+def test_yarn_frequencies_and_attention_factor_are_transformers(params: dict[str, Any]) -> None:
+    """Our YaRN (reference/rope.py) against transformers' `_compute_yarn_parameters` on gpt-oss-sized heads: the
+    frequencies to float32 rounding (theirs are computed in float32, ours in float64), the factor exactly."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from toolchain.reference.rope import attention_factor, inv_freq
+
+    scaling = {"rope_type": "yarn", **params}
+    config = GptOssConfig(head_dim=64, rope_parameters={**scaling, "rope_theta": 150000.0})
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = inv_freq(64, 150000.0, scaling, torch.float64)
+    torch.testing.assert_close(ours.float(), theirs, rtol=2**-22, atol=0)
+    assert attention_factor(scaling) == factor
