@@ -67,6 +67,9 @@ def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
             return "experts"
 
 
+PACKINGS = ("", "stacked", "mxfp4")  # Rule.packing
+
+
 @dataclass(frozen=True)
 class Rule:
     """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are stored
@@ -88,6 +91,10 @@ class Rule:
     # gate), written as [up; gate].
     packing: str = ""
     interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise ValueError(f"Rule {self.dst}: packing {self.packing!r} is not one of {PACKINGS}")
 
     @property
     def split(self) -> Split:
