@@ -34,6 +34,7 @@ def hf_classes(arch: str) -> tuple[Any, Any]:
         "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
         "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     }[arch]
 
 
@@ -91,6 +92,31 @@ QWEN3_MOE: dict[str, Any] = {
     "mlp_only_layers": [1],  # layers 0 and 2 sparse, layer 1 dense (intermediate_size 96)
 }
 
+# gpt-oss with every feature on: top-3 of 8 experts with biases and a router bias, a SwiGLU limit the random
+# weights' gate/up values cross (test_gpt_oss checks they do), sinks, windows of 6 on layers 0 and 2 (layer 1 full),
+# YaRN whose ramp spans the 16-dim heads (beta_fast 8 over 16 original positions), q/k/v/o biases.
+GPT_OSS: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 32,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 3,
+    "sliding_window": 6,
+    "swiglu_limit": 0.5,
+    "max_position_embeddings": 64,
+    "rope_parameters": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "beta_fast": 8.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 16,
+        "rope_theta": 1000.0,
+    },
+}
+
 
 @dataclass(frozen=True)
 class Parity:
@@ -146,6 +172,7 @@ PARITY: dict[str, Parity] = {
         seq=48,
         engine=True,
     ),
+    "gpt-oss-every-feature": Parity("gpt_oss", GPT_OSS, seq=48),
 }
 
 

@@ -28,7 +28,7 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint import registry
+from toolchain.checkpoint import mxfp4, registry
 from toolchain.checkpoint.hf import SAFETENSORS_INDEX, HFCheckpoint, TensorReader
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo
 from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
@@ -86,6 +86,9 @@ def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: d
             f"{ckpt.root}: {len(missing)} tensor(s) the {arch} config requires are missing: {_listing(missing)}; "
             "the weights do not match config.json (num_hidden_layers, biases, tie_word_embeddings)"
         )
+    for rule in rules:
+        if rule.packing == "mxfp4":
+            mxfp4.check_sources(ckpt, rule.srcs)
     for name in sorted(used):
         got, want = ckpt.tensors[name].shape, expected[name]
         if got != want:
@@ -128,6 +131,8 @@ def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: in
 
 
 def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
+    if rule.packing:
+        return packed_shape(rule, ckpt.tensors[rule.srcs[0]].shape)
     shapes = [ckpt.tensors[s].shape for s in rule.srcs]
     if rule.transpose:
         shapes = [tuple(reversed(s)) for s in shapes]
@@ -165,6 +170,8 @@ def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, d
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
     """Read the rule's sources, check, fuse, cast."""
     dtype = _dtype(out, dtype)
+    if out.rule.packing:
+        return _unpacked(out, reader, dtype)
     if out.rule.experts:
         return _stacked(out, reader, dtype)
     parts = [reader.get(s) for s in out.rule.srcs]
@@ -198,6 +205,32 @@ def _stacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> tor
     return tensor
 
 
+def packed_shape(rule: Rule, source: tuple[int, ...]) -> tuple[int, ...]:
+    """The output shape of a packed rule from its first source's shape (MXFP4 blocks: [E, out, in / 32, 16])."""
+    if rule.packing == "mxfp4":
+        return (*source[:-2], source[-2] * 2 * source[-1])
+    return (*source[:-2], source[-1], source[-2]) if rule.transpose else source
+
+
+def _unpacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+    """A packed experts tensor (Rule.packing), written expert by expert: memory is the source as stored (MXFP4: a
+    quarter of the bfloat16 size) plus the result and one expert's float32 copy."""
+    rule = out.rule
+    sources = [reader.get(s) for s in rule.srcs]
+    tensor = torch.empty(out.shape, dtype=dtype)
+    for e in range(out.shape[0]):
+        if rule.packing == "mxfp4":
+            part = mxfp4.dequantize(sources[0][e], sources[1][e])
+        else:
+            part = sources[0][e].t() if rule.transpose else sources[0][e]
+        _check_values(rule.srcs[0], reader.file_of(rule.srcs[0]), out.name, part, dtype)
+        if rule.interleaved:  # even rows the gate, odd the up -> [up; gate]
+            part = torch.cat([part[1::2], part[0::2]])
+        tensor[e] = part  # copy_ casts
+        del part
+    return tensor
+
+
 def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: Any) -> Iterator[torch.Tensor]:
     """make(item) for each item, in order, computed ahead in up to `workers` threads (torch ops and file reads
     release the GIL). Memory: the tensors in flight never exceed the largest single one (`cost` in bytes), so
@@ -225,6 +258,8 @@ def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
     """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
     makes a new tensor."""
     dtype = _dtype(out, dtype)
+    if out.rule.packing:  # the packed sources whole and the result
+        return math.prod(out.shape) * dtype.itemsize + sum(reader.nbytes(s) for s in out.rule.srcs)
     if out.rule.experts:  # the stacked result and one source at a time
         return math.prod(out.shape) * dtype.itemsize + max(reader.nbytes(s) for s in out.rule.srcs)
     read = sum(reader.nbytes(s) for s in out.rule.srcs)

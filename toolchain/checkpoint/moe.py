@@ -76,8 +76,16 @@ def _int(value: Any, what: str, minimum: int = 1) -> int:
     return value
 
 
-def experts_ffn(cfg: ModelConfig) -> tuple[ExpertsFFN, frozenset[int]]:
-    """The experts of a MoE checkpoint config and its dense layers, every field checked (a config.json is input)."""
+# Which of the two RENORMALIZE orders (spec.ROUTER_NORMS, equal in exact arithmetic) a router computes: ours,
+# `moe_router_norm`, written where it is not the default (gpt-oss: the top k logits, then a softmax over them).
+RENORMALIZE_ORDERS = ("softmax_topk_renormalise", "topk_softmax")
+
+
+def experts_ffn(cfg: ModelConfig, biases: bool = False) -> tuple[ExpertsFFN, frozenset[int]]:
+    """The experts of a MoE checkpoint config and its dense layers, every field checked (a config.json is input).
+    `biases`: the family's experts may add biases (`mlp_bias`, gpt-oss); elsewhere `mlp_bias` is refused. Our
+    optional fields (docs/conversion.md): `moe_router_norm`, `moe_router_bias`, `swiglu_alpha` / `swiglu_beta` /
+    `swiglu_limit`."""
     fields = cfg.family_fields
     moe = fields.get("moe")
     if not isinstance(moe, dict):
@@ -86,7 +94,18 @@ def experts_ffn(cfg: ModelConfig) -> tuple[ExpertsFFN, frozenset[int]]:
     if mode not in NORMALIZATION_MODES or isinstance(mode, bool):
         modes = ", ".join(f"{k} ({v})" for k, v in NORMALIZATION_MODES.items())
         raise UserError(f"'moe.normalization_mode' {mode!r} is not supported; supported: {modes}")
-    if cfg.mlp_bias:
+    router_norm = fields.get("moe_router_norm", NORMALIZATION_MODES[mode])
+    allowed = RENORMALIZE_ORDERS if mode == 1 else (NORMALIZATION_MODES[mode],)
+    if router_norm not in allowed:
+        raise UserError(
+            f"'moe_router_norm' {router_norm!r} does not go with 'moe.normalization_mode' {mode}; use one of "
+            f"{', '.join(allowed)}"
+        )
+    router_bias = fields.get("moe_router_bias", False)
+    if not isinstance(router_bias, bool):
+        raise UserError(f"'moe_router_bias' must be true or false, got {router_bias!r}; re-run convert")
+    swiglu = {k: fields[k] for k in ("swiglu_alpha", "swiglu_beta", "swiglu_limit") if k in fields}
+    if cfg.mlp_bias and not biases:
         raise UserError(f"'mlp_bias' true: expert biases are not supported for {cfg.architecture}; set it false")
     shared = fields.get("moe_shared_expert_intermediate_size", 0)
     if shared not in (0, None):
@@ -105,8 +124,11 @@ def experts_ffn(cfg: ModelConfig) -> tuple[ExpertsFFN, frozenset[int]]:
         num_experts=_int(moe.get("num_experts"), "moe.num_experts"),
         top_k=_int(moe.get("top_k"), "moe.top_k"),
         expert_intermediate_size=size,
-        router_norm=NORMALIZATION_MODES[mode],
+        router_norm=router_norm,
         activation="silu",  # gated silu (TensorRT-LLM's MoE "swiglu"); hidden_act is the dense layers'
+        bias=cfg.mlp_bias,
+        router_bias=router_bias,
+        **swiglu,
     )
     return ffn, frozenset(dense)
 

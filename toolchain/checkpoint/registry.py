@@ -26,6 +26,7 @@ _FAMILIES: dict[str, str] = {
     "Gemma3ForCausalLM": "toolchain.checkpoint.gemma3",
     "MixtralForCausalLM": "toolchain.checkpoint.mixtral",
     "Qwen3MoeForCausalLM": "toolchain.checkpoint.qwen3_moe",
+    "GptOssForCausalLM": "toolchain.checkpoint.gpt_oss",
 }
 
 Shape = tuple[int, ...]

@@ -67,6 +67,9 @@ def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
             return "experts"
 
 
+PACKINGS = ("", "stacked", "mxfp4")  # Rule.packing
+
+
 @dataclass(frozen=True)
 class Rule:
     """One output tensor: TRT-LLM name <- HF source(s) (concatenated on dim 0), and whether the sources are stored
@@ -82,6 +85,16 @@ class Rule:
     ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
     experts: int = 0
     dtype: torch.dtype | None = None
+    # One source holding every expert (gpt-oss) instead of one per expert: "stacked", a tensor [E, ...] (`transpose`
+    # swaps its last two dims: [E, in, out] -> [E, out, in]); "mxfp4", the (blocks, scales) pair of one in MXFP4,
+    # dequantized to [E, out, in] (docs/conversion.md). `interleaved`: dim 1 alternates gate and up rows (even the
+    # gate), written as [up; gate].
+    packing: str = ""
+    interleaved: bool = False
+
+    def __post_init__(self) -> None:
+        if self.packing not in PACKINGS:
+            raise ValueError(f"Rule {self.dst}: packing {self.packing!r} is not one of {PACKINGS}")
 
     @property
     def split(self) -> Split:

@@ -29,7 +29,7 @@ NORMS = ("rms", "layer")
 # hidden_act values with TensorRT-LLM's meaning: its `gelu` is the tanh approximation (tensorrt_llm/functional.py),
 # the same function as HF's "gelu_new" / "gelu_pytorch_tanh".
 ACTIVATIONS = ("silu", "swiglu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
-ROPE_SCALINGS = ("linear", "llama3")
+ROPE_SCALINGS = ("linear", "llama3", "yarn")
 # How a router turns its logits into the top-k experts' weights: softmax over all experts then the top k (Qwen2-MoE,
 # Qwen3-MoE without norm_topk_prob; TensorRT-LLM's normalization_mode NONE), the top k logits then a softmax over them,
 # or softmax, top k, and the k weights renormalised to sum to 1 (Mixtral, Qwen3-MoE's norm_topk_prob; TensorRT-LLM's
@@ -139,8 +139,15 @@ class ExpertsFFN:
     router_norm: str = "softmax_topk"
     gated: bool = True
     activation: str = "silu"
-    bias: bool = False
+    bias: bool = False  # fc and proj add a bias per expert (mlp.fc.bias [E, 2I], mlp.proj.bias [E, H])
     shared: SharedExperts | None = None
+    router_bias: bool = False  # the router adds one (mlp.router.bias [E], float32): gpt-oss
+    # gpt-oss's clamped SwiGLU (TensorRT-LLM's MoE swiglu_alpha / swiglu_beta / swiglu_limit): with the gate clamped
+    # to at most `swiglu_limit` and the up to [-limit, limit], act = gate * sigmoid(alpha * gate) * (up + beta).
+    # The defaults (1, 0, no limit) are the plain gated silu, up * silu(gate).
+    swiglu_alpha: float = 1.0
+    swiglu_beta: float = 0.0
+    swiglu_limit: float | None = None
 
     def __post_init__(self) -> None:
         _check_positive("num_experts", self.num_experts)
@@ -151,6 +158,26 @@ class ExpertsFFN:
         if self.router_norm not in ROUTER_NORMS:
             raise UserError(f"router normalisation {self.router_norm!r} is not one of {', '.join(ROUTER_NORMS)}")
         _check_activation(self.activation)
+        for name in ("swiglu_alpha", "swiglu_beta", "swiglu_limit"):
+            value = getattr(self, name)
+            if value is None and name == "swiglu_limit":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise UserError(f"'{name}' {value!r} must be a finite number")
+        if self.swiglu_alpha <= 0 or (self.swiglu_limit is not None and self.swiglu_limit <= 0):
+            raise UserError(
+                f"'swiglu_alpha' {self.swiglu_alpha!r} and 'swiglu_limit' {self.swiglu_limit!r} must be positive"
+            )
+        if self.clamped_swiglu and (not self.gated or self.activation != "silu"):
+            raise UserError(
+                f"swiglu_alpha/beta/limit apply to gated silu experts, not {self.activation!r} "
+                f"({'gated' if self.gated else 'not gated'}); leave them at 1, 0 and null"
+            )
+
+    @property
+    def clamped_swiglu(self) -> bool:
+        """Whether the activation is gpt-oss's SwiGLU rather than the plain up * silu(gate)."""
+        return (self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit) != (1.0, 0.0, None)
 
 
 FFN = DenseFFN | ExpertsFFN  # a layer's feed-forward block
@@ -170,7 +197,8 @@ def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
 class LayerSpec:
     """One decoder layer.
 
-    attention block: x -> attn_norm -> qkv (+ bias) -> [qk-norm per head] -> rotary -> attention (window, scale)
+    attention block: x -> attn_norm -> qkv (+ bias) -> [qk-norm per head] -> rotary -> attention (window, scale,
+                     [sinks])
                      -> dense (+ bias) -> [attn_out_norm] -> + residual
     feed-forward:    x -> mlp_norm -> ffn (DenseFFN: fc -> activation [* gate(x)] -> proj; ExpertsFFN)
                      -> [mlp_out_norm] -> + residual
@@ -189,6 +217,9 @@ class LayerSpec:
     qkv_bias: bool = False
     dense_bias: bool = False
     ffn: FFN = DenseFFN()
+    # gpt-oss's attention sinks: one learned logit per head (attention.sinks [num_heads], float32) joins every
+    # query's softmax denominator and weighs no value
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         if self.window is not None and (isinstance(self.window, bool) or self.window < 1):
@@ -242,6 +273,8 @@ class LayerSpec:
             return self.qkv_bias
         if linear.endswith(".attention.dense"):
             return self.dense_bias
+        if linear.endswith(".mlp.router"):
+            return isinstance(self.ffn, ExpertsFFN) and self.ffn.router_bias
         return self.ffn.bias
 
     def norms(self) -> list[Norm]:
@@ -309,6 +342,7 @@ class ModelSpec:
         for ls in self.layers:
             names += [t for n in ls.norms() for t in norm(n)]
             names += [f"{p}.{k}" for p in ls.linears() for k in ("weight", "bias") if k == "weight" or ls.has_bias(p)]
+            names += [f"{ls.prefix}.attention.sinks"] if ls.sinks else []
         return names
 
     def check_tensors(self, available: Collection[str], source: str) -> None:

@@ -215,6 +215,11 @@ class _Exporter:
         rope = ls.rope
         scaling = (rope.scaling if rope else None) or {}
         kind = scaling.get("rope_type", scaling.get("type", "none"))
+        if ls.sinks or kind == "yarn":  # gpt-oss's attention: not in the plugin yet (issue 26)
+            raise UserError(
+                f"{self.source}: layer {ls.index}'s attention sinks / YaRN rope are not supported by the attention "
+                "plugin yet (issue 26); convert and the reference forward run gpt-oss, the engine does not"
+            )
         kv_scale = 1.0
         if self.kv_dtype in KV_ONNX:
             kv_scale = kv_cache_scale(self.w, ls.prefix, self.source)
@@ -309,7 +314,8 @@ class _Exporter:
         dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN."""
         b, w, layer = self.b, self.w, ls.prefix
         p = f"{layer}.mlp"
-        if ffn.shared is not None or any(quantized(f"{p}.{n}", w) for n in ("router", "fc", "proj")):
+        gpt_oss = ffn.router_bias or ffn.clamped_swiglu  # the op has neither yet (issue 26's engine slice)
+        if gpt_oss or ffn.shared is not None or any(quantized(f"{p}.{n}", w) for n in ("router", "fc", "proj")):
             raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # shared or quantized experts: not yet
         a = MoEAttrs(
             number_of_experts=ffn.num_experts,

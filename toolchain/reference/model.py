@@ -36,6 +36,17 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def swiglu(ffn: ExpertsFFN, up: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """An expert's activation: up * act(gate), or gpt-oss's clamped SwiGLU (transformers' GptOssExperts._apply_gate):
+    gate clamped to at most the limit, up to [-limit, limit], gate * sigmoid(alpha * gate) * (up + beta)."""
+    if not ffn.clamped_swiglu:
+        return ACTIVATIONS[ffn.activation](gate) * up
+    if ffn.swiglu_limit is not None:
+        gate = gate.clamp(max=ffn.swiglu_limit)
+        up = up.clamp(min=-ffn.swiglu_limit, max=ffn.swiglu_limit)
+    return gate * torch.sigmoid(gate * ffn.swiglu_alpha) * (up + ffn.swiglu_beta)
+
+
 class Hooks:
     """Points where calibration observes and fake quantization intervenes; the identity by default."""
 
@@ -151,7 +162,12 @@ class ReferenceModel:
         scores = q @ k.transpose(-1, -2)
         # / sqrt(head_size) by default (bit for bit what calibration has always computed), else * the layer's scale
         scores = scores / c.head_size**0.5 if ls.attn_scale is None else scores * ls.attn_scale
-        probs = scores.masked_fill(~self._mask(positions, ls.window), float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~self._mask(positions, ls.window), float("-inf"))
+        if ls.sinks:  # one more logit per head in the denominator (gpt-oss), dropped after the softmax
+            sink = self.w[f"{layer}.attention.sinks"].to(scores.dtype).view(1, -1, 1, 1).expand(b, -1, t, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out = (probs @ v).transpose(1, 2).reshape(b, t, q_dim)
         return self._linear(out, f"{layer}.attention.dense", ls.dense_bias and self.row_biases)
 
@@ -181,7 +197,8 @@ class ReferenceModel:
         the top k are `torch.topk` of the softmax probabilities, transformers' call, so exact ties pick the same
         experts; the weights are normalised as `ffn.router_norm` says (spec.ROUTER_NORMS)."""
         dtype = torch.promote_types(self.dtype, torch.float32)
-        logits = F.linear(x.to(dtype), self.w[f"{layer}.mlp.router.weight"].to(dtype))
+        bias = self.w[f"{layer}.mlp.router.bias"].to(dtype) if ffn.router_bias else None
+        logits = F.linear(x.to(dtype), self.w[f"{layer}.mlp.router.weight"].to(dtype), bias)
         if ffn.router_norm == "topk_softmax":
             top, experts = torch.topk(logits, ffn.top_k, dim=-1)
             return top.softmax(dim=-1), experts
@@ -192,21 +209,24 @@ class ReferenceModel:
 
     def experts_ffn(self, x: torch.Tensor, layer: str, ffn: ExpertsFFN) -> torch.Tensor:
         """A mixture of experts (docs/conversion.md): each token through its top-k experts' gated MLPs
-        proj[e] · (act(gate) · up) with fc[e] = [up; gate], the outputs weighed by the router and summed."""
-        if ffn.shared is not None or ffn.bias or not ffn.gated:
+        proj[e] · (act(gate) · up) (+ biases) with fc[e] = [up; gate], the outputs weighed by the router and
+        summed; gpt-oss's clamped SwiGLU where the ExpertsFFN says so (`swiglu`)."""
+        if ffn.shared is not None or not ffn.gated:
             raise UserError(
-                f"{layer}: the reference forward runs gated experts without biases or shared experts; this "
-                f"checkpoint's {ffn} is not one of them"
+                f"{layer}: the reference forward runs gated experts without shared experts; this checkpoint's "
+                f"{ffn} is not one of them"
             )
-        shape, act = x.shape, ACTIVATIONS[ffn.activation]
+        shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, experts = self.route(x, layer, ffn)
         fc, proj = self.w[f"{layer}.mlp.fc.weight"], self.w[f"{layer}.mlp.proj.weight"]
+        fc_bias = self.w[f"{layer}.mlp.fc.bias"] if ffn.bias else None
+        proj_bias = self.w[f"{layer}.mlp.proj.bias"] if ffn.bias and self.row_biases else None
         out = torch.zeros_like(x)
         for e in sorted(set(experts.flatten().tolist())):
             tokens, slot = torch.where(experts == e)
-            up, gate = F.linear(x[tokens], fc[e]).chunk(2, dim=-1)
-            y = F.linear(act(gate) * up, proj[e])
+            up, gate = F.linear(x[tokens], fc[e], None if fc_bias is None else fc_bias[e]).chunk(2, dim=-1)
+            y = F.linear(swiglu(ffn, up, gate), proj[e], None if proj_bias is None else proj_bias[e])
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
         return out.reshape(shape)
 
