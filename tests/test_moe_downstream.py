@@ -6,9 +6,12 @@ MoE families that need more than we have (DeepSeek-V3, Llama 4, Qwen3-Next) in o
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +198,43 @@ def test_unknown_architecture_message_is_unchanged(cli: Any, runs: dict[str, Any
     src = with_architecture(runs["hf"], "MadeUpForCausalLM", tmp_path / "hf")
     line = one_line_error(cli("convert", src, "-o", tmp_path / "out"))
     assert "'MadeUpForCausalLM' is not supported; supported:" in line and "docs/conversion.md" not in line
+
+
+# -- memory, at a small scale (bench/convert.py --moe measures the ~1 GB model) -------------------------------------
+_MEASURE = """
+import resource, subprocess, sys
+subprocess.run(sys.argv[1:], check=True, capture_output=True)
+print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)
+"""
+
+
+def _moe_model(path: Path, layers: int) -> int:
+    sys.path.insert(0, str(REPO / "bench"))
+    from convert import write_model  # bench/convert.py: streams a random sharded checkpoint to disk
+
+    fields = {"hidden": 512, "intermediate": 1024, "vocab": 4000, "heads": 8, "kv_heads": 2, "shards": 3}
+    moe = {"moe": True, "experts": 16, "top_k": 2, "moe_intermediate": 256}
+    return int(write_model(path, argparse.Namespace(layers=layers, **fields, **moe)))
+
+
+def _peak_rss_of_convert(src: Path, out: Path) -> int:
+    """From a fresh parent: RUSAGE_CHILDREN is a max over every child a process ever waited for."""
+    trtbuild = str(Path(sys.executable).with_name("trtbuild"))
+    cmd = [sys.executable, "-c", _MEASURE, trtbuild, "convert", str(src), "-o", str(out)]
+    return int(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+
+
+@pytest.mark.slow
+def test_moe_convert_memory_grows_with_a_layer_not_the_model(tmp_path: Path) -> None:
+    small, big = _moe_model(tmp_path / "small", layers=1), _moe_model(tmp_path / "big", layers=10)  # ~4 / ~130 MB
+    growth = max(
+        _peak_rss_of_convert(tmp_path / "big", tmp_path / "o2")
+        - _peak_rss_of_convert(tmp_path / "small", tmp_path / "o1"),
+        0,
+    )
+    # holding the experts would add the ~126 MB between the two; streaming holds two layers' stacked fc at most
+    # (2 x 16 x 512 x 512 x 2 B = 16 MiB) whatever the layer count
+    assert growth < 0.25 * (big - small), (growth, big - small)
 
 
 # -- the recipes --------------------------------------------------------------------------------------------------
