@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -18,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from conftest import convert_fails, edit_config, nothing_written, one_line_error
-from serve.test_serve import greedy, running
 
 from toolchain.checkpoint.tiny import MOE_CONFIG, make_tiny_moe
 from toolchain.engine import backends
@@ -31,6 +31,18 @@ REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "tiny-moe.yaml"
 DEMO_TEXT = REPO / "recipes" / "data" / "demo.txt"
 PROMPT = "The build farm"
+
+
+def _serve_helpers() -> Any:
+    """tests/serve/test_serve.py's in-process server (`running`) and request helpers, loaded by path: pytest's
+    prepend import mode puts each test folder on sys.path under no package name, so no import statement finds it
+    both alone and in a full run."""
+    spec = importlib.util.spec_from_file_location("moe_serve_helpers", REPO / "tests" / "serve" / "test_serve.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -121,22 +133,28 @@ def test_bench_replays_a_trace_on_the_moe_engine(cli: Any, runs: dict[str, Any],
 
 
 def test_serve_answers_the_openai_client_from_the_moe_engine(cli: Any, runs: dict[str, Any]) -> None:
+    serve = _serve_helpers()
     engine = runs["root"] / "a" / "engine"
     alone = json.loads(cli("generate", engine, "--prompt", PROMPT, "--max-new-tokens", "10", "--json").stdout)
-    with running(engine) as server:
+    with serve.running(engine) as server:
         client = server.client()
-        done = client.completions.create(prompt=PROMPT, **greedy(10))
+        done = client.completions.create(prompt=PROMPT, **serve.greedy(10))
         assert done.choices[0].text == alone["text"] and done.usage is not None
         assert done.usage.completion_tokens == 10
-        chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **greedy(5))
+        chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **serve.greedy(5))
         assert chat.choices[0].message.content and chat.choices[0].finish_reason == "length"
 
 
 def test_inspect_and_verify_the_moe_run(cli: Any, runs: dict[str, Any]) -> None:
     out = runs["root"] / "a"
-    info = cli("inspect", out / "checkpoint", "--json")
+    info = cli("inspect", out, "--json")
     assert info.exit_code == 0, info.stderr
-    assert "Qwen3MoeForCausalLM" in info.stdout
+    stages = json.loads(info.stdout)["stages"]
+    assert stages["checkpoint"]["architecture"] == "Qwen3MoeForCausalLM"
+    assert stages["checkpoint"]["experts"] == "top-2 of 8 (softmax_topk_renormalise), 64 wide, in 3 of 4 layers"
+    assert "MoE: its reference op on the CPU engine" in stages["engine"]["engine"]["plugins"]
+    text = cli("inspect", out).stdout
+    assert "experts       top-2 of 8" in text and "MoE:" in text
     for directory in (out, out / "checkpoint", out / "engine", out / "report"):
         assert cli("verify", directory).exit_code == 0, directory
     (out / "engine" / "build_config.json").write_text("{}")
