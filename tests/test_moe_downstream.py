@@ -264,3 +264,10 @@ def test_moe_recipes_validate(name: str) -> None:
     assert loaded.recipe.build is not None and loaded.recipe.eval is not None
     assert loaded.recipe.quantize is None  # expert quantization: a later slice of issue 26
     assert loaded.recipe.build.backend == ("auto" if name == "tiny-moe.yaml" else "tensorrt")
+
+
+def test_tiny_model_cli_makes_the_moe(cli: Any, tmp_path: Path) -> None:
+    result = cli("tiny-model", tmp_path / "m", "--moe", "--seed", "1")
+    assert result.exit_code == 0, result.stderr
+    assert "tiny Qwen3-MoE" in result.stdout and "seed 1" in result.stdout
+    assert json.loads((tmp_path / "m" / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
