@@ -720,22 +720,27 @@ def recipe_schema() -> None:
     typer.echo(json.dumps(schema(), indent=2))
 
 
-@app.command("tiny-model", epilog="Example: `trtbuild tiny-model demo/tiny-llama --seed 0`")
+@app.command(
+    "tiny-model",
+    epilog="Example: `trtbuild tiny-model demo/tiny-llama --seed 0`; `trtbuild tiny-model demo/tiny-moe --moe`",
+)
 def tiny_model(
     output: Annotated[Path, typer.Argument(help="Where to write the Hugging Face model dir.")],
     seed: Annotated[int, typer.Option(help="Random seed for the weights.", min=0, max=2**32 - 1)] = 0,
+    moe: Annotated[bool, typer.Option("--moe", help="A tiny random Qwen3-MoE (8 experts, top-2) instead.")] = False,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Create the embedded default: a small random Llama (HF format, a few MB) made by trtbuild itself."""
-    from toolchain.checkpoint.tiny import make_tiny_llama
+    from toolchain.checkpoint.tiny import make_tiny_llama, make_tiny_moe
 
     with _handled():
-        r = make_tiny_llama(output, seed=seed, force=force)
+        r = (make_tiny_moe if moe else make_tiny_llama)(output, seed=seed, force=force)
+    kind = "Qwen3-MoE" if moe else "Llama"
     _emit(
         r,
         json_out,
-        [f"wrote tiny Llama ({r['num_parameters']:,} parameters, seed {seed}) -> {r['output_dir']}"],
+        [f"wrote tiny {kind} ({r['num_parameters']:,} parameters, seed {seed}) -> {r['output_dir']}"],
     )
 
 

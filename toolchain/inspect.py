@@ -57,7 +57,23 @@ def _checkpoint(directory: Path) -> dict[str, Any]:
         "mapping": cfg.to_dict()["mapping"],
         "quantization": cfg.to_dict()["quantization"],
         "rank_files": {p.name: p.stat().st_size for p in ranks},
+        "experts": _experts(cfg, directory),
     }
+
+
+def _experts(cfg: Any, directory: Path) -> str | None:
+    """A mixture-of-experts model's routing in one phrase (None for a dense model)."""
+    from toolchain.checkpoint.spec import ExpertsFFN, spec_of
+
+    layers = spec_of(cfg, str(directory / CONFIG_NAME)).layers
+    sparse = [(ls.index, ls.ffn) for ls in layers if isinstance(ls.ffn, ExpertsFFN)]
+    if not sparse:
+        return None
+    ffn = sparse[0][1]
+    return (
+        f"top-{ffn.top_k} of {ffn.num_experts} ({ffn.router_norm}), {ffn.expert_intermediate_size} wide, in "
+        f"{len(sparse)} of {len(layers)} layers"
+    )
 
 
 # The status of the plugin kernels (docs/kernels.md): one phrase, the same for both backends.
@@ -70,6 +86,23 @@ _TENSORRT_PLUGINS = (
     f"KVCacheWrite, PagedAttention: Triton kernels (PTX) in the plan, {PLUGIN_STATUS}; the TensorRT runtime "
     "backend is not verified on a GPU yet (docs/kernels.md, docs/engine.md)"
 )
+
+
+def _moe_op(directory: Path) -> str:
+    """What runs the engine graph's mixture-of-experts nodes, if it has any."""
+    import onnx
+
+    from toolchain.engine.api import MODEL_NAME
+    from toolchain.engine.contract import PLUGIN_DOMAIN
+    from toolchain.engine.ops import MOE_OP
+
+    path = directory / MODEL_NAME
+    if not path.is_file():
+        return ""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    if not any(n.domain == PLUGIN_DOMAIN and n.op_type == MOE_OP for n in graph.node):
+        return ""
+    return f"; {MOE_OP}: its reference op on the CPU engine, no TensorRT kernel yet (issue 26)"
 
 
 def _engine(directory: Path) -> dict[str, Any]:
@@ -91,7 +124,7 @@ def _engine(directory: Path) -> dict[str, Any]:
             "cuda": compat.get("cuda"),
             "onnxruntime": spec.onnxruntime,
             # until the CUDA plugins and the TensorRT runtime have run on a GPU (docs/kernels.md, docs/engine.md)
-            "plugins": _TENSORRT_PLUGINS if spec.backend == "tensorrt" else _CPU_PLUGINS,
+            "plugins": (_TENSORRT_PLUGINS if spec.backend == "tensorrt" else _CPU_PLUGINS) + _moe_op(directory),
         },
     }
 
@@ -192,6 +225,8 @@ def describe_lines(info: dict[str, Any], indent: str = "", eval_shown: bool = Fa
             f"(kv cache: {info['quantization']['kv_cache_quant_algo'] or 'none'})",
             f"{indent}  rank files    " + ", ".join(f"{n} ({s:,} B)" for n, s in info["rank_files"].items()),
         ]
+        if info.get("experts"):
+            lines.append(f"{indent}  experts       {info['experts']}")
     if "engine" in info:
         e = info["engine"]
         limits = e["limits"]

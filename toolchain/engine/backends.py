@@ -42,6 +42,7 @@ class Backend:
     compatibility: Callable[[], dict[str, Any] | None]  # what the built engine is tied to (build_config.json)
     runtime_version: Callable[[], str | None]  # the `onnxruntime` package version that built it, where relevant
     open: Callable[[EngineSpec], Engine]
+    experts_why_not: str | None = None  # None when it runs the trtbuild::MoE op, else why not
 
     def engine_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         import torch
@@ -108,6 +109,7 @@ TENSORRT = Backend(
     compatibility=_tensorrt_versions,
     runtime_version=lambda: None,
     open=_open_tensorrt,
+    experts_why_not="the trtbuild::MoE op has no TensorRT kernel yet (issue 26)",
 )
 ONNXRUNTIME = Backend(
     name="onnxruntime",
@@ -131,22 +133,29 @@ def by_name(name: str) -> Backend:
     return BACKENDS[name]
 
 
-def choose(requested: str, record: StageRecord) -> Backend:
+def choose(requested: str, record: StageRecord, experts: int = 0) -> Backend:
     """The backend a build uses: the requested one if it can build here, else (auto) the first of AUTO_ORDER that
-    can, the fallback said on stderr and in the manifest."""
+    can, the fallback said on stderr and in the manifest. `experts`: the model's mixture-of-experts layers; auto
+    never picks a backend that cannot run them, and one asked for by name is refused before anything is exported."""
     if requested != AUTO:
         backend = BACKENDS[requested]
-        reason = backend.unavailable()
+        reason = backend.unavailable() or _no_experts(backend, experts)
         if reason:
             raise UserError(
                 f"--backend {backend.name}: {reason}; use --backend onnxruntime (or auto) to build the CPU engine"
             )
         return backend
     preferred, fallback = AUTO_ORDER
-    reason = preferred.unavailable()
-    if reason is None:
+    reason = preferred.unavailable() or _no_experts(preferred, experts)
+    if not reason:
         return preferred
     note = f"TensorRT backend unavailable ({reason}): building the CPU engine (ONNX Runtime)"
     console.warn(note)
     record.warnings.append(note)
     return fallback
+
+
+def _no_experts(backend: Backend, experts: int) -> str | None:
+    if not experts or backend.experts_why_not is None:
+        return None
+    return f"the model has {experts} mixture-of-experts layers and {backend.experts_why_not}"

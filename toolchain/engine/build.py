@@ -18,6 +18,7 @@ import onnx
 from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES, has_tokenizer
+from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, KVCacheSpec, Limits
 from toolchain.engine.backends import CHOICES, choose
@@ -102,7 +103,8 @@ def build_engine(
         )
     record = record or StageRecord("build")
     tokenizer_paths = tokenizer_files(checkpoint, tokenizer, record)
-    backend = choose(opts.backend, record)
+    experts = sum(isinstance(ls.ffn, ExpertsFFN) for ls in spec_of(cfg, str(checkpoint / CONFIG_NAME)).layers)
+    backend = choose(opts.backend, record, experts)
     backend.check_tokens_per_block(opts.tokens_per_block)
     dtype = backend.engine_dtype(cfg.torch_dtype)
     limits = Limits(
