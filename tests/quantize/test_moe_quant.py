@@ -21,7 +21,7 @@ from toolchain.reference.model import ReferenceModel
 
 # Qwen3-MoE: dense layers 0, 2 (quantized as dense linears) and sparse 1, 3; Mixtral (8 experts, ~6 s): slow tier
 CASES = [pytest.param("mixtral-top2-of-8", marks=pytest.mark.slow), "qwen3-moe-unnormalised-step2"]
-METHODS = (("w8a16", 128), ("w4a16", 32))
+METHODS = (("w8a16", 128), ("w4a16", 64))  # group 64: the experts' widths 32 and 48 end in a partial block
 
 
 def _kld(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
