@@ -366,7 +366,8 @@ def test_cpu_engine_runs_moe_layers_as_the_dense_mixture(
 def test_moe_graph_layout_and_the_tensorrt_refusal(tmp_path: Path, moe_family: None) -> None:
     """A bf16 export: one trtbuild::MoE node per sparse layer with the ExpertsFFN's fields, the router in float32
     and the experts in the engine dtype; the dense layer keeps its three Gemms. The TensorRT backend refuses the
-    graph in one line before needing TensorRT; experts that disagree with the config, or quantized, are refused."""
+    graph in one line before needing TensorRT; experts that disagree with the config, or a quantized router, are
+    refused."""
     from toolchain.checkpoint.trtllm import load_rank, read_config
     from toolchain.engine.api import Limits
     from toolchain.engine.export import export_model
@@ -405,6 +406,6 @@ def test_moe_graph_layout_and_the_tensorrt_refusal(tmp_path: Path, moe_family: N
     weights["transformer.layers.2.mlp.proj.weight"] = weights["transformer.layers.2.mlp.proj.weight"][:, :, 1:]
     with pytest.raises(UserError, match=r"mlp.proj.weight is \(6, 64, 39\), layer 2's experts need \(6, 64, 40\)"):
         export_model(cfg, weights, torch.float32, 16)
-    weights["transformer.layers.0.mlp.fc.weights_scaling_factor"] = torch.ones(EXPERTS)  # quantized experts
+    weights["transformer.layers.0.mlp.router.weights_scaling_factor"] = torch.ones(EXPERTS)  # a quantized router
     with pytest.raises(UserError, match=r"^ONNX export, layer 0: mixture-of-experts layers"):
         export_model(cfg, weights, torch.float32, 16)

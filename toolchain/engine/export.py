@@ -27,7 +27,8 @@ from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMA
 from toolchain.engine.geometry import kv_block_shape
 from toolchain.engine.ops import MOE_OP, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
-from toolchain.quantize.methods.base import quantized
+from toolchain.quantize import experts
+from toolchain.quantize.methods.base import Context, quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
 
@@ -315,8 +316,8 @@ class _Exporter:
         b, w, layer = self.b, self.w, ls.prefix
         p = f"{layer}.mlp"
         gpt_oss = ffn.router_bias or ffn.clamped_swiglu  # the op has neither yet (issue 26's engine slice)
-        if gpt_oss or ffn.shared is not None or any(quantized(f"{p}.{n}", w) for n in ("router", "fc", "proj")):
-            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # shared or quantized experts: not yet
+        if gpt_oss or ffn.shared is not None or quantized(f"{p}.router", w):
+            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # gpt-oss, shared, quantized router
         a = MoEAttrs(
             number_of_experts=ffn.num_experts,
             top_k=ffn.top_k,
@@ -334,6 +335,10 @@ class _Exporter:
             shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
         inputs = [x]
         for name, shape in shapes.items():
+            prefix = name.removesuffix(".weight")
+            if name.endswith(".weight") and quantized(prefix, w):  # weight-only per expert (quantize/experts.py)
+                inputs.append(self._quantized_experts(prefix, shape))
+                continue
             tensor = w[name]
             if tuple(tensor.shape) != shape:
                 raise UserError(
@@ -350,6 +355,23 @@ class _Exporter:
         )
         b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, ["num_tokens", h]))
         return out
+
+    def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> str:
+        """A stacked experts' weight stored quantized: its codes and scales checked against the shapes the quantize
+        stage makes for `shape`, dequantized in the graph, cast to the engine dtype as a dense linear's weight."""
+        b = self.b
+        method, linear = stored(self.method, self.cfg, self.spec, self.w, prefix)
+        ctx = Context(group_size=linear.group_size)
+        for name, info in experts.plan(method, prefix, shape, ctx).items():
+            if tuple(self.w[name].shape) != info.shape:
+                raise UserError(
+                    f"{self.source}: {name} is {tuple(self.w[name].shape)}, {prefix}'s {shape[0]} experts of "
+                    f"{shape[1:]} need {info.shape} ({method.name}, group size {ctx.group_size}); re-run quantize"
+                )
+        dq = experts.export(method, b, linear)
+        if b.onnx_dtype == TensorProto.FLOAT:
+            return dq
+        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
 
     def graph(self) -> onnx.ModelProto:
         c, spec, b = self.cfg, self.spec, self.b

@@ -118,10 +118,10 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
 
 
 def check_ffns(spec: ModelSpec, where: str = "calibration") -> None:
-    """The one place calibration (and quantization, `where`) looks at the feed-forward variant. A DenseFFN's linears
-    each read every token, as `Calibration.for_tokens` assumes when it spreads their row samples; an expert reads only
-    the tokens routed to it and would need its own count (and the router's logits their own statistics), and the
-    quantizers' linears are 2-D, not the experts' stacked [E, out, in] (issue 26's later slice)."""
+    """The one place calibration (and a calibrated quantization, `where`) looks at the feed-forward variant. A
+    DenseFFN's linears each read every token, as `Calibration.for_tokens` assumes when it spreads their row samples;
+    an expert reads only the tokens routed to it and would need its own count (routed calibration: not yet), so a
+    model with experts is quantized by the weight-only methods alone (quantize/experts.py)."""
     for ls in spec.layers:
         if isinstance(ls.ffn, ExpertsFFN):
             raise experts_unsupported(f"{where}, layer {ls.index}", ls.ffn)

@@ -13,6 +13,7 @@ import torch
 from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
 from toolchain.errors import UserError
+from toolchain.quantize import experts
 from toolchain.quantize.core import fake_quant
 from toolchain.quantize.methods.base import WEIGHT, quantized_prefix
 from toolchain.quantize.methods.kv_cache import KV_SCALE
@@ -65,7 +66,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
         if prefix is not None:
             try:
                 qm, linear = stored(method, cfg, spec, raw, prefix)
-                weights[linear.name(WEIGHT)] = qm.dequantize(linear)
+                weights[linear.name(WEIGHT)] = experts.dequantize(qm, linear)  # dense or stacked
             except UserError as e:  # a scale on something that is not one of the model's linears
                 raise UserError(f"{directory / rank_file(0)}: {name}: {e}") from e
             scales = qm.input_scales(linear)

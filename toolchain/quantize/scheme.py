@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from toolchain.checkpoint.spec import ModelSpec
+from toolchain.checkpoint.spec import ExpertsFFN, ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 from toolchain.quantize.methods.base import WEIGHT_SCALE, QuantMethod, Stored
@@ -20,10 +20,17 @@ from toolchain.quantize.methods.base import WEIGHT_SCALE, QuantMethod, Stored
 DEFAULT_EXCLUDE = ("lm_head",)
 
 
+def routers(spec: ModelSpec) -> list[str]:
+    """The mixture-of-experts layers' routers: kept float32, as TensorRT-LLM keeps its router (config.json's
+    exclude_modules lists them)."""
+    return [f"{ls.prefix}.mlp.router" for ls in spec.layers if isinstance(ls.ffn, ExpertsFFN)]
+
+
 def quantizable(spec: ModelSpec) -> list[str]:
-    """Linear-layer prefixes that may be quantized, from the model description: every layer's linears, and
-    lm_head."""
-    return [*sorted(p for layer in spec.layers for p in layer.linears()), "lm_head"]
+    """Linear-layer prefixes that may be quantized, from the model description: every layer's linears but a
+    router, and lm_head."""
+    kept = set(routers(spec))
+    return [*sorted(p for layer in spec.layers for p in layer.linears() if p not in kept), "lm_head"]
 
 
 def excluded(prefix: str, patterns: tuple[str, ...]) -> bool:

@@ -4,7 +4,8 @@ Round-to-nearest weight quantization (W8A16 per channel, W4A16 per group, FP8 pe
 sharing one FP8 weight scale); AWQ scale and clip searches (awq.py); SmoothQuant migration at a fixed α or α searched
 per layer, then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and FP8 KV-cache scales from
 calibration maxima, INT8 KV-cache scales from a clip search below the maximum (calibrate.py). Embeddings are never
-quantized, lm_head only when not excluded.
+quantized, lm_head only when not excluded, a mixture of experts' router never; its stacked experts are quantized
+expert by expert by the weight-only methods (experts.py).
 
 Each method is a module of methods/ (the registry: plan, prepare, quantize, dequantize, export); one driver runs
 them all, one decoder layer at a time. Memory: a streamable method (w8a16, w4a16) holds one source tensor at a time
@@ -29,7 +30,7 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.convert import freed_memory_returned
 from toolchain.checkpoint.hf import TOKENIZER_FILES
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo, read_header, read_tensor
-from toolchain.checkpoint.spec import ModelSpec, spec_of
+from toolchain.checkpoint.spec import ExpertsFFN, ModelSpec, spec_of
 from toolchain.checkpoint.trtllm import (
     CONFIG_NAME,
     ModelConfig,
@@ -41,13 +42,14 @@ from toolchain.checkpoint.trtllm import (
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quality import QualityReport, compare
+from toolchain.quantize import experts
 from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, check_ffns, sample_windows
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
 from toolchain.quantize.methods.registry import KV_CACHES, method
 from toolchain.quantize.results import QuantizeResult
-from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable
+from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable, routers
 from toolchain.quantize.smoothquant import Alpha
 from toolchain.reference.model import ReferenceModel
 from toolchain.text import tokenize
@@ -162,6 +164,9 @@ def _as_is(name: str, info: TensorInfo) -> _Deferred:
 
 
 def _streamed(qm: QuantMethod, prefix: str, info: TensorInfo, ctx: Context) -> _Deferred:
+    if experts.stacked(info.shape):  # a mixture of experts' [E, out, in]: each expert quantized by itself
+        planned = experts.plan(qm, prefix, info.shape, ctx)
+        return _Deferred(planned, lambda read: experts.quantize(qm, prefix, read(f"{prefix}.weight"), ctx))
     return _Deferred(qm.plan(prefix, info.shape, ctx), lambda read: qm.quantize(prefix, read(f"{prefix}.weight"), ctx))
 
 
@@ -258,7 +263,10 @@ def quantize_checkpoint(
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
     spec = spec_of(cfg)
-    check_ffns(spec, "quantization")  # every method, calibrated or not
+    if any(isinstance(ls.ffn, ExpertsFFN) for ls in spec.layers):  # weight-only methods quantize experts
+        experts.check_method(qm, next(p for p in quantizable(spec) if p.endswith(".mlp.fc")))
+    if opts.needs_calibration:
+        check_ffns(spec, "quantization")
     linears = quantizable(spec)
     missing = sorted(p for p in linears if f"{p}.weight" not in header)
     if missing:
@@ -274,7 +282,7 @@ def quantize_checkpoint(
         group_size=opts.group_size,
         smoothquant_val=opts.smoothquant_val,
         pre_quant_scale=qm.pre_quant_scale,
-        exclude_modules=sorted(set(linears) - set(chosen) | {"transformer.vocab_embedding"}),
+        exclude_modules=sorted(set(linears) - set(chosen) | {"transformer.vocab_embedding"} | set(routers(spec))),
     )
     qcfg = dataclasses.replace(cfg, quantization=quant)
     record = record or StageRecord("quantize")
