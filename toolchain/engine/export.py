@@ -14,6 +14,7 @@ Names and order are fixed by the checkpoint alone, so the same checkpoint gives 
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from toolchain.engine.geometry import kv_block_shape
 from toolchain.engine.ops import MOE_OP, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
 from toolchain.quantize import experts
-from toolchain.quantize.methods.base import Context, quantized
+from toolchain.quantize.methods.base import ACTIVATION_SCALE, Context, quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
 
@@ -333,11 +334,13 @@ class _Exporter:
         shapes[f"{p}.proj.weight"] = (e, h, a.expert_inter_size)
         if ffn.bias:
             shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
-        inputs = [x]
+        inputs, input_scales = [x], []
         for name, shape in shapes.items():
             prefix = name.removesuffix(".weight")
-            if name.endswith(".weight") and quantized(prefix, w):  # weight-only per expert (quantize/experts.py)
-                inputs.append(self._quantized_experts(prefix, shape))
+            if name.endswith(".weight") and quantized(prefix, w):  # per expert (quantize/experts.py)
+                weight, scale = self._quantized_experts(prefix, shape)
+                inputs.append(weight)
+                input_scales += [scale] if scale else []
                 continue
             tensor = w[name]
             if tuple(tensor.shape) != shape:
@@ -347,6 +350,11 @@ class _Exporter:
                 )
             router = name == f"{p}.router.weight"
             inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
+        if input_scales:  # fp8 experts: fc's and proj's per-expert input scales, both or neither
+            if len(input_scales) != 2:
+                raise UserError(f"{self.source}: {p}: fp8 experts need both fc and proj quantized; re-run quantize")
+            a = dataclasses.replace(a, fp8_inputs=1)
+            inputs += input_scales
         out = f"{layer}.mlp.out"
         b.nodes.append(
             helper.make_node(
@@ -356,9 +364,10 @@ class _Exporter:
         b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, ["num_tokens", h]))
         return out
 
-    def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> str:
+    def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> tuple[str, str | None]:
         """A stacked experts' weight stored quantized: its codes and scales checked against the shapes the quantize
-        stage makes for `shape`, dequantized in the graph, cast to the engine dtype as a dense linear's weight."""
+        stage makes for `shape`, dequantized in the graph, cast to the engine dtype as a dense linear's weight; with
+        it, fp8's per-expert input scales [E] in the engine dtype (None for a weight-only method)."""
         b = self.b
         method, linear = stored(self.method, self.cfg, self.spec, self.w, prefix)
         ctx = Context(group_size=linear.group_size)
@@ -369,9 +378,11 @@ class _Exporter:
                     f"{shape[1:]} need {info.shape} ({method.name}, group size {ctx.group_size}); re-run quantize"
                 )
         dq = experts.export(method, b, linear)
+        act = experts.activation_scales(method, linear)
+        scale = None if act is None else b.float_const(f"{prefix}.{ACTIVATION_SCALE}", act)
         if b.onnx_dtype == TensorProto.FLOAT:
-            return dq
-        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype)
+            return dq, scale
+        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype), scale
 
     def graph(self) -> onnx.ModelProto:
         c, spec, b = self.cfg, self.spec, self.b

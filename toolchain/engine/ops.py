@@ -123,7 +123,7 @@ OP_FIELDS = {
     "PagedAttention": _COMMON | {"sliding_window", "q_scaling"},
 }
 # Fields added after graphs were first pinned, and the value at which to_attributes leaves them out of the graph.
-OMITTED_AT: dict[str, Any] = {"q_scaling": 1.0}
+OMITTED_AT: dict[str, Any] = {"q_scaling": 1.0, "fp8_inputs": 0}
 
 
 def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch.Tensor:
@@ -391,6 +391,8 @@ class MoEAttrs:
     gated: int = 1  # fc = [up; gate], proj(up * act(gate)); 0: proj(act(fc))
     use_bias: int = 0  # fc_bias and proj_bias inputs
     router_bias: int = 0  # a router_bias input (gpt-oss)
+    fp8_inputs: int = 0  # fc_input_scale and proj_input_scale inputs [E] (fp8 experts): each expert's routed rows
+    # quantize-dequantized to E4M3 at its own static scale before its fc and its proj GEMM
 
     def __post_init__(self) -> None:
         for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
@@ -403,7 +405,7 @@ class MoEAttrs:
             raise ValueError(f"MoE router_norm {self.router_norm!r}: expected one of {', '.join(ROUTER_NORMS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoE activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
-        for name in ("gated", "use_bias", "router_bias"):
+        for name in ("gated", "use_bias", "router_bias", "fp8_inputs"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"MoE {name} {getattr(self, name)!r}: expected 0 or 1")
 
@@ -412,7 +414,10 @@ class MoEAttrs:
         return 2 * self.expert_inter_size if self.gated else self.expert_inter_size
 
     def to_attributes(self, op: str) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if k in OP_FIELDS[op]}
+        """Every field but one at its OMITTED_AT value (a float MoE graph stays byte-identical)."""
+        return {
+            k: v for k, v in asdict(self).items() if k in OP_FIELDS[op] and not (k in OMITTED_AT and v == OMITTED_AT[k])
+        }
 
     @classmethod
     def from_attributes(cls, op: str, attrs: dict[str, Any]) -> MoEAttrs:
@@ -445,6 +450,12 @@ def route(
     return top, experts
 
 
+def _fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x quantized to E4M3 at a static scale (saturated at ±448, as ONNX QuantizeLinear's saturate=1) and back."""
+    s = scale.to(x.dtype)
+    return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
+
+
 def moe(
     a: MoEAttrs,
     x: torch.Tensor,
@@ -458,13 +469,18 @@ def moe(
     use_bias, then router_bias when router_bias. Computed as a grouped-GEMM kernel does: the (token, expert)
     assignments sorted by expert, each expert's tokens gathered into one GEMM through fc, the activation, one
     GEMM through proj, scaled by their router weights and scatter-added back; an expert no token chose costs
-    nothing. In float32 (float64 for float64 x). `memo` is unused (the routing differs per layer)."""
+    nothing. In float32 (float64 for float64 x). `memo` is unused (the routing differs per layer).
+    fp8_inputs (fp8 experts): two more inputs after the biases, fc_input_scale and proj_input_scale [E]; each
+    expert's rows are quantize-dequantized to E4M3 at its own scale before its fc and before its proj GEMM."""
     del memo
-    if len(biases) != 2 * a.use_bias + a.router_bias:
+    extra = 2 * a.use_bias + a.router_bias + 2 * a.fp8_inputs
+    if len(biases) != extra:
         raise ValueError(
-            f"MoE: {len(biases)} bias inputs, expected {2 * a.use_bias + a.router_bias} (use_bias {a.use_bias}, "
-            f"router_bias {a.router_bias})"
+            f"MoE: {len(biases)} bias / scale inputs, expected {extra} (use_bias {a.use_bias}, router_bias "
+            f"{a.router_bias}, fp8_inputs {a.fp8_inputs})"
         )
+    scales = biases[len(biases) - 2 :] if a.fp8_inputs else None
+    biases = biases[: len(biases) - 2] if a.fp8_inputs else biases
     fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
     router_bias = biases[-1] if a.router_bias else None
     t, e, k, inter = x.shape[0], a.number_of_experts, a.top_k, a.expert_inter_size
@@ -492,14 +508,17 @@ def moe(
         if n == 0:
             continue
         rows = tokens[start : start + n]
+        xe = xc[rows] if scales is None else _fp8_qdq(xc[rows], scales[0][expert])
         h = torch.nn.functional.linear(
-            xc[rows], fc_weight[expert].to(compute), None if fc_bias is None else fc_bias[expert].to(compute)
+            xe, fc_weight[expert].to(compute), None if fc_bias is None else fc_bias[expert].to(compute)
         )
         if a.gated:  # [up; gate]: the second half activated (TensorRT-LLM's MoE fc, DenseFFN.gate_up_fused)
             up, gate = h.chunk(2, dim=-1)
             h = up * act(gate)
         else:
             h = act(h)
+        if scales is not None:
+            h = _fp8_qdq(h, scales[1][expert])
         y = torch.nn.functional.linear(
             h, proj_weight[expert].to(compute), None if proj_bias is None else proj_bias[expert].to(compute)
         )

@@ -6,6 +6,15 @@ attention layer the largest |k| and |v| as the KV cache stores them (after rotar
 rows of k and v (the INT8 KV scale's clip search). Only running statistics and bounded row samples are kept, never
 all activations.
 
+A mixture of experts is calibrated ROUTED: each expert's fc input (the normed hidden states) and proj input (its
+activated intermediate) are observed over only the tokens the router sent to it (`RoutedStats`, through the
+reference forward's `expert_input` hook), with per-expert token counts. An expert that received fewer than
+MIN_EXPERT_TOKENS tokens takes the layer's statistics over all routed tokens instead (for fc that is every token,
+each being routed to top-k experts): a maximum over a handful of rows is a noisy underestimate, and an activation
+scale set by it would saturate the tokens calibration did not send there; the layer's maximum bounds every
+expert's input the calibration saw (a coarser step for that expert, no clipping). The counts and the experts that
+fell back go into the quantize result and the manifest (`RoutedStats.summary`).
+
 The forward runs in float64 (`CALIB_DTYPE`), whatever the checkpoint's dtype, so that the statistics do not depend
 on the machine: a float32 forward's sums follow the CPU's matmul kernels (AVX2 and AVX-512 add in different orders),
 and their last bits decided the scales, so the bytes of a calibrated checkpoint changed with the CPU. In float64 two
@@ -15,6 +24,7 @@ its way into a scale (docs/conversion.md, "Same bytes on any CPU", says what ris
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -29,6 +39,53 @@ KV_SAMPLE_ROWS = 1024  # token rows of [k | v] kept per attention layer for the 
 KV_CLIP = tuple(1 - i / 40 for i in range(19))  # INT8 KV clip ratios: 1, 0.975, ..., 0.55
 CALIB_BATCH = 8  # calibration windows per forward batch
 CALIB_DTYPE = torch.float64  # the calibration forward's and the searches' precision (module docstring)
+MIN_EXPERT_TOKENS = 8  # an expert routed fewer calibration tokens takes its layer's statistics (module docstring)
+
+
+@dataclass
+class RoutedStats:
+    """One stacked experts' linear's input statistics, per expert over only the tokens routed to it: max |x|, max
+    |x_c| per channel, the sum of |x_c| (AWQ's activation means) and the token count."""
+
+    amax: dict[int, float] = field(default_factory=dict)
+    channel_amax: dict[int, torch.Tensor] = field(default_factory=dict)
+    abs_sum: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+    def add(self, expert: int, rows: torch.Tensor) -> None:
+        a = rows.abs()
+        peak = a.amax(0)
+        self.amax[expert] = max(self.amax.get(expert, 0.0), peak.max().item())
+        seen = self.channel_amax.get(expert)
+        self.channel_amax[expert] = peak if seen is None else torch.maximum(seen, peak)
+        self.abs_sum[expert] = self.abs_sum.get(expert, 0) + a.sum(0)
+        self.tokens[expert] = self.tokens.get(expert, 0) + rows.shape[0]
+
+    def counts(self, experts: int) -> list[int]:
+        return [self.tokens.get(e, 0) for e in range(experts)]
+
+    def fell_back(self, experts: int) -> list[int]:
+        """The experts routed fewer than MIN_EXPERT_TOKENS calibration tokens (zero included)."""
+        return [e for e, n in enumerate(self.counts(experts)) if n < MIN_EXPERT_TOKENS]
+
+    def layer_amax(self) -> float:
+        """max |x| over every routed row of the layer (fc: every calibration token)."""
+        return max(self.amax.values(), default=0.0)
+
+    def input_amax(self, experts: int) -> list[float]:
+        """Each expert's max |x|: its own over its routed tokens, the layer's where it fell back."""
+        low = set(self.fell_back(experts))
+        return [self.layer_amax() if e in low else self.amax[e] for e in range(experts)]
+
+    def mean_abs(self, expert: int) -> torch.Tensor:
+        """Mean |x_c| per channel over the expert's routed tokens, the layer's over all routed rows where it fell
+        back (AWQ's activation statistic)."""
+        if self.tokens.get(expert, 0) < MIN_EXPERT_TOKENS:
+            return sum(self.abs_sum.values(), torch.zeros(())) / max(sum(self.tokens.values()), 1)
+        return self.abs_sum[expert] / self.tokens[expert]
+
+    def summary(self, experts: int) -> dict[str, Any]:
+        return {"tokens": self.counts(experts), "fell_back": self.fell_back(experts)}
 
 
 @dataclass
@@ -43,6 +100,7 @@ class Calibration:
     kv_sample: dict[str, torch.Tensor] = field(default_factory=dict)  # layer -> up to KV_SAMPLE_ROWS rows of [k | v]
     kv_tokens: dict[str, int] = field(default_factory=dict)
     kv_sample_every: int = 1
+    routed: dict[str, RoutedStats] = field(default_factory=dict)  # stacked experts' linear prefix -> per expert
 
     @classmethod
     def for_tokens(cls, tokens: int) -> Calibration:
@@ -85,6 +143,12 @@ class Observer(Hooks):
         c.input_sample[prefix] = self._sample(c.input_sample.get(prefix), rows, counted, c.sample_every, SAMPLE_ROWS)
         return x
 
+    def expert_input(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if not torch.isfinite(x).all():
+            raise UserError(f"calibration: NaN/Inf in the activations at {prefix}, expert {expert}; check its weights")
+        self.calibration.routed.setdefault(prefix, RoutedStats()).add(expert, x.reshape(-1, x.shape[-1]).double())
+        return x
+
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.calibration
         self._record(c.kv_amax, layer, k, v)
@@ -119,11 +183,11 @@ def sample_windows(tokens: torch.Tensor, samples: int, seq_len: int, seed: int) 
 
 def check_ffns(spec: ModelSpec, where: str = "calibration") -> None:
     """The one place calibration (and a calibrated quantization, `where`) looks at the feed-forward variant. A
-    DenseFFN's linears each read every token, as `Calibration.for_tokens` assumes when it spreads their row samples;
-    an expert reads only the tokens routed to it and would need its own count (routed calibration: not yet), so a
-    model with experts is quantized by the weight-only methods alone (quantize/experts.py)."""
+    DenseFFN's linears each read every token (`linear_input`); routed experts are observed per expert over their
+    own tokens (`expert_input`, `RoutedStats`). Shared experts the reference forward does not run, so a model with
+    them is refused here, before any calibration text is read."""
     for ls in spec.layers:
-        if isinstance(ls.ffn, ExpertsFFN):
+        if isinstance(ls.ffn, ExpertsFFN) and ls.ffn.shared is not None:
             raise experts_unsupported(f"{where}, layer {ls.index}", ls.ffn)
 
 

@@ -1,4 +1,5 @@
-"""Weight-only quantization of a mixture of experts' stacked weights, each expert by itself.
+"""Quantization of a mixture of experts' stacked weights, each expert by itself: weight-only (w8a16, w4a16) or FP8
+with routed calibration.
 
 A MoE layer's mlp.fc [E, 2I, H] and mlp.proj [E, H, I] (docs/conversion.md) are E linears stacked. A weight-only
 method (w8a16, w4a16: `QuantMethod.streamable`) quantizes each expert's [out, in] slice exactly as it quantizes a
@@ -9,6 +10,12 @@ scales, per output channel or per group, never shared across experts. The router
 The ONNX graph dequantizes the stacked codes with one blocked DequantizeLinear along the input axis (`export`),
 as the dense path dequantizes a linear's, and the MoE op reads the float weights (docs/quantization.md, "Mixture of
 experts").
+
+FP8 (`fp8`): each expert's [out, in] slice E4M3 with its own per-tensor weight scale, and its own static activation
+scale for its fc input and its proj input from the ROUTED calibration maxima (calibrate.RoutedStats: the tokens
+routed to it; the layer's maximum for an expert routed fewer than MIN_EXPERT_TOKENS): weight float8_e4m3fn
+[E, out, in], weights_scaling_factor and activation_scaling_factor float32 [E, 1]. The MoE op quantize-dequantizes
+each expert's routed rows at its activation scale before the GEMM, as the dense FP8 graph does a linear's input.
 """
 
 from __future__ import annotations
@@ -17,9 +24,19 @@ import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.errors import UserError
-from toolchain.quantize.core import int4_proto, unpack_int4
-from toolchain.quantize.methods.base import WEIGHT, WEIGHT_SCALE, Context, GraphBuilder, QuantMethod, Stored
+from toolchain.quantize.core import FP8_E4M3_MAX, int4_proto, quantize_fp8, unpack_int4
+from toolchain.quantize.methods.base import (
+    ACTIVATION_SCALE,
+    WEIGHT,
+    WEIGHT_SCALE,
+    Context,
+    GraphBuilder,
+    QuantMethod,
+    Stored,
+)
+from toolchain.quantize.methods.fp8 import FP8
 from toolchain.quantize.methods.w4a16 import GroupwiseInt4
+from toolchain.quantize.methods.w8a8_sq import activation_scale
 from toolchain.quantize.methods.w8a16 import PerChannelInt8
 
 
@@ -29,10 +46,10 @@ def stacked(shape: tuple[int, ...]) -> bool:
 
 
 def check_method(qm: QuantMethod, prefix: str) -> None:
-    if not isinstance(qm, PerChannelInt8 | GroupwiseInt4) or not qm.streamable:
+    if not ((isinstance(qm, PerChannelInt8 | GroupwiseInt4) and qm.streamable) or type(qm) is FP8):
         raise UserError(
-            f"{prefix}: stacked experts are quantized by the weight-only methods w8a16 and w4a16 only, not "
-            f"{qm.name!r}; choose --method w8a16 or w4a16 for a mixture-of-experts model"
+            f"{prefix}: stacked experts are quantized by w8a16, w4a16 and fp8 only, not {qm.name!r}; choose "
+            "--method w8a16, w4a16 or fp8 for a mixture-of-experts model"
         )
 
 
@@ -49,8 +66,29 @@ def plan(qm: QuantMethod, prefix: str, shape: tuple[int, ...], ctx: Context) -> 
 def quantize(qm: QuantMethod, prefix: str, weight: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
     """Each expert's [out, in] slice quantized as a dense linear, the results stacked along the expert axis."""
     check_method(qm, prefix)
+    if isinstance(qm, FP8):
+        return _fp8(prefix, weight, ctx)
     parts = [qm.quantize(prefix, expert, ctx) for expert in weight]
     return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
+
+
+def _fp8(prefix: str, weight: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
+    """Each expert's slice E4M3 at its own max |w|; its activation scale its routed input maximum / 448."""
+    routed = ctx.calib.routed.get(prefix)
+    if routed is None:
+        raise UserError(f"{prefix}: fp8 experts need the routed calibration of this layer, and it saw no tokens")
+    parts = [quantize_fp8(expert) for expert in weight]
+    acts = [activation_scale(amax, FP8_E4M3_MAX) for amax in routed.input_amax(weight.shape[0])]
+    return {
+        f"{prefix}.{WEIGHT}": torch.stack([codes for codes, _ in parts]),
+        f"{prefix}.{WEIGHT_SCALE}": torch.stack([scale for _, scale in parts]),
+        f"{prefix}.{ACTIVATION_SCALE}": torch.stack(acts),
+    }
+
+
+def activation_scales(qm: QuantMethod, s: Stored) -> torch.Tensor | None:
+    """A stacked linear's per-expert static input scales [E] (fp8), else None (weight-only)."""
+    return s[ACTIVATION_SCALE].float().reshape(-1) if isinstance(qm, FP8) else None
 
 
 def _expert(s: Stored, e: int) -> Stored:
@@ -72,6 +110,10 @@ def export(qm: QuantMethod, b: GraphBuilder, s: Stored) -> str:
     w8a16 one block per output row (the whole input), w4a16 one per group; returns the float32 [E, out, in]."""
     check_method(qm, s.prefix)
     scale = s.weight_scale()
+    if isinstance(qm, FP8):  # one scale per expert: per-axis along the expert axis
+        w = b.const(s.name(WEIGHT), s[WEIGHT])
+        return b.op("DequantizeLinear", [w, b.const(s.name(WEIGHT_SCALE), scale.reshape(-1))], f"{s.prefix}.weight_dq",
+                    axis=0)  # fmt: skip
     if isinstance(qm, GroupwiseInt4):
         codes = torch.stack([unpack_int4(c)[:, : s.in_features] for c in s[WEIGHT]])
         name, block = b.add_initializer(int4_proto(s.name(WEIGHT), codes)), s.group_size

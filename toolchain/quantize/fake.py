@@ -1,8 +1,8 @@
 """The reference forward of a quantized checkpoint: weights dequantized; each linear's input multiplied by its
 `prequant_scaling_factor` when it has one; and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8
-activations at each linear's input, the KV cache — quantized and dequantized in place (fake quantization), so the
-reference computes what the engine will compute, up to accumulation order. Each quantized linear's method reads its
-own tensors (methods/base.py)."""
+activations at each linear's input (at each expert's routed input for fp8 experts), the KV cache — quantized and
+dequantized in place (fake quantization), so the reference computes what the engine will compute, up to accumulation
+order. Each quantized linear's method reads its own tensors (methods/base.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ class FakeQuant(Hooks):
     ):
         self.prequant, self.activation_scales, self.activation_kind = prequant, activation_scales, activation_kind
         self.kv_scales, self.kv_kind = kv_scales, kv_kind
+        self.expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> activation scale per expert
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         pre = self.prequant.get(prefix)
@@ -42,6 +43,12 @@ class FakeQuant(Hooks):
         if scale is None or self.activation_kind is None:
             return x
         return fake_quant(x, scale, self.activation_kind)
+
+    def expert_input(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        scales = self.expert_scales.get(prefix)
+        if scales is None or self.activation_kind is None:
+            return x
+        return fake_quant(x, scales[expert].item(), self.activation_kind)
 
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kv_kind is None:
@@ -60,6 +67,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     activation: dict[str, float] = {}
     kv_scales: dict[str, float] = {}
     prequant: dict[str, torch.Tensor] = {}
+    expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> per-expert activation scales [E]
     owned: set[str] = set()  # the quantized linears' tensors, which their method has read
     for name in raw:
         prefix = quantized_prefix(name)
@@ -69,6 +77,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
                 weights[linear.name(WEIGHT)] = experts.dequantize(qm, linear)  # dense or stacked
             except UserError as e:  # a scale on something that is not one of the model's linears
                 raise UserError(f"{directory / rank_file(0)}: {name}: {e}") from e
+            routed = experts.activation_scales(qm, linear) if experts.stacked(tuple(linear[WEIGHT].shape)) else None
+            if routed is not None:  # fp8 experts: each expert's routed input at its own scale (`expert_input`)
+                expert_scales[prefix] = routed
+                owned.update(qm.tensor_names(prefix))
+                continue
             scales = qm.input_scales(linear)
             if scales.prequant is not None:
                 prequant[prefix] = scales.prequant
@@ -82,4 +95,5 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     model = ReferenceModel(cfg, weights, dtype)
     activation_kind = method.activation_kind if method else None
     model.hooks = FakeQuant(prequant, activation, activation_kind, kv_scales, kv.quant_algo if kv else None)
+    model.hooks.expert_scales = expert_scales
     return model

@@ -5,7 +5,7 @@ sharing one FP8 weight scale); AWQ scale and clip searches (awq.py); SmoothQuant
 per layer, then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and FP8 KV-cache scales from
 calibration maxima, INT8 KV-cache scales from a clip search below the maximum (calibrate.py). Embeddings are never
 quantized, lm_head only when not excluded, a mixture of experts' router never; its stacked experts are quantized
-expert by expert by the weight-only methods (experts.py).
+expert by expert by the weight-only methods and by fp8 with routed calibration (experts.py, calibrate.py).
 
 Each method is a module of methods/ (the registry: plan, prepare, quantize, dequantize, export); one driver runs
 them all, one decoder layer at a time. Memory: a streamable method (w8a16, w4a16) holds one source tensor at a time
@@ -43,7 +43,13 @@ from toolchain.errors import UserError
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quality import QualityReport, compare
 from toolchain.quantize import experts
-from toolchain.quantize.calibrate import Calibration, LayerwiseCalibration, check_ffns, sample_windows
+from toolchain.quantize.calibrate import (
+    MIN_EXPERT_TOKENS,
+    Calibration,
+    LayerwiseCalibration,
+    check_ffns,
+    sample_windows,
+)
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
@@ -179,7 +185,11 @@ def _quantize_layer(qm: QuantMethod, layer: Layer, ctx: Context, header: dict[st
         return {}
     prepared = qm.prepare(layer, ctx)
     for prefix in layer.linears:
-        layer.tensors.update(qm.quantize(prefix, layer.tensors[f"{prefix}.weight"], ctx, prepared.get(prefix)))
+        weight = layer.tensors[f"{prefix}.weight"]
+        if experts.stacked(tuple(weight.shape)):  # a mixture of experts' [E, out, in] (fp8: routed calibration)
+            layer.tensors.update(experts.quantize(qm, prefix, weight, ctx))
+        else:
+            layer.tensors.update(qm.quantize(prefix, weight, ctx, prepared.get(prefix)))
     out.update(layer.tensors)
     return prepared if qm.details_key else {}
 
@@ -295,6 +305,13 @@ def quantize_checkpoint(
         quantized_modules=len(chosen),
         calibration=calib_info or None,
     )
+    routed = {p: st.summary(header[f"{p}.weight"].shape[0]) for p, st in sorted(calib.routed.items())}
+    if routed:  # per stacked experts' linear: tokens routed to each expert in calibration, and who fell back
+        record.details["routed_calibration"] = {
+            "min_tokens": MIN_EXPERT_TOKENS,
+            "fallback": "the layer's statistics over all routed tokens",
+            "linears": routed,
+        }
     if kv_clip:  # per layer: the INT8 KV scale's clip ratio r (scale = max(|k|, |v|) · r / 127)
         record.details["kv_cache_clip"] = dict(sorted(kv_clip.items()))
     if choices and qm.details_key:  # per linear: what the method's per-layer searches chose (methods/)
@@ -318,6 +335,7 @@ def quantize_checkpoint(
         quantized_modules=len(chosen),
         calibration=calib_info or None,
         quality=report,
+        routed_calibration=record.details.get("routed_calibration"),
         outputs=manifest["outputs"],
         wall_time_s=manifest["wall_time_s"],
     )

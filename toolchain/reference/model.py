@@ -56,6 +56,11 @@ class Hooks:
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
+    def expert_input(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """The rows routed to `expert` on their way into its slice of stacked linear PREFIX (mlp.fc: the normed
+        hidden states; mlp.proj: the activated intermediate), only those tokens (routed calibration)."""
+        return x
+
 
 class Widened(dict[str, torch.Tensor]):
     """Weights kept in their stored dtype and handed out in `dtype`, one tensor at a time: a float64 forward over a
@@ -225,8 +230,10 @@ class ReferenceModel:
         out = torch.zeros_like(x)
         for e in sorted(set(experts.flatten().tolist())):
             tokens, slot = torch.where(experts == e)
-            up, gate = F.linear(x[tokens], fc[e], None if fc_bias is None else fc_bias[e]).chunk(2, dim=-1)
-            y = F.linear(swiglu(ffn, up, gate), proj[e], None if proj_bias is None else proj_bias[e])
+            xe = self.hooks.expert_input(f"{layer}.mlp.fc", e, x[tokens])
+            up, gate = F.linear(xe, fc[e], None if fc_bias is None else fc_bias[e]).chunk(2, dim=-1)
+            m = self.hooks.expert_input(f"{layer}.mlp.proj", e, swiglu(ffn, up, gate))
+            y = F.linear(m, proj[e], None if proj_bias is None else proj_bias[e])
             out.index_add_(0, tokens, y * weights[tokens, slot, None].to(y.dtype))
         return out.reshape(shape)
 
