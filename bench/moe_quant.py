@@ -1,8 +1,12 @@
-"""Quality cost of quantizing a mixture of experts' weights (w8a16, w4a16 per expert: quantize/experts.py) on a
+"""Quality cost of quantizing a mixture of experts' weights (w8a16, w4a16, fp8 per expert: quantize/experts.py) on a
 random Qwen3-MoE-shaped model, against its float checkpoint: PPL ratio, KLD and top-1 agreement on random token
-windows. No real MoE is in ../shared/data, so the model is random (transformers' own init at a wider
-initializer_range, so that its next-token distributions are not flat) and the tokens random ids; the variant is
-the fake-quant reference, which the CPU engine equals to 1e-4 (tests/quantize/test_moe_quant.py).
+windows. fp8 calibrates routed (each expert's input scales from the tokens routed to it, calibrate.RoutedStats) on
+WikiText-2 valid.txt through the demo byte-level tokenizer (ids < 320 of the model's 512: in a random model every
+id's embedding is alike), held out from the random-id evaluation windows; its ablation row "fp8 (layer scales)"
+makes every expert fall back to its layer's maximum, as an unrouted calibration would. No real MoE is in
+../shared/data, so the model is random (transformers' own init at a wider initializer_range, so that its next-token
+distributions are not flat) and the tokens random ids; the variant is the fake-quant reference, which the CPU engine
+equals to 1e-4 (tests/quantize/test_moe_quant.py).
 
     python bench/moe_quant.py             # prints a markdown table (or --json); figures go to docs/quantization.md
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -24,12 +29,23 @@ sys.path.insert(0, str(ROOT))
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 
 from toolchain.checkpoint.convert import convert  # noqa: E402
+from toolchain.checkpoint.tiny import make_tiny_llama  # noqa: E402
 from toolchain.quality import compare  # noqa: E402
+from toolchain.quantize import calibrate  # noqa: E402
 from toolchain.quantize.fake import load_quantized  # noqa: E402
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint  # noqa: E402
 from toolchain.reference.model import ReferenceModel  # noqa: E402
 
-CONFIGS = [("w8a16", 128), ("w4a16", 32), ("w4a16", 64), ("w4a16", 128)]
+CONFIGS = [
+    ("w8a16", 128),
+    ("w4a16", 32),
+    ("w4a16", 64),
+    ("w4a16", 128),
+    ("fp8 (routed)", 128),
+    ("fp8 (layer scales)", 128),
+]
+CALIB = ROOT.parent / "shared" / "data" / "wikitext-2" / "valid.txt"
+CALIB_SAMPLES, CALIB_SEQ_LEN = 64, 128
 SHAPE = {  # 4 layers, all sparse: 16 experts of width 128, top 4 (renormalised), hidden 256
     "hidden_size": 256,
     "num_hidden_layers": 4,
@@ -62,15 +78,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work, torch.no_grad():
         hf, ckpt = Path(work) / "hf", Path(work) / "ckpt"
         model.save_pretrained(hf, safe_serialization=True)
+        make_tiny_llama(Path(work) / "demo")  # its byte-level tokenizer, for the calibration text
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copyfile(Path(work) / "demo" / name, hf / name)
         convert(hf, ckpt)
         full = ReferenceModel.from_checkpoint(ckpt)
-        for method, group in CONFIGS:
+        for label, group in CONFIGS:
+            method, layer_scales = label.split()[0], label.endswith("(layer scales)")
             start = time.perf_counter()
-            out = Path(work) / f"{method}-{group}"
-            quantize_checkpoint(ckpt, out, QuantizeOptions(method, group_size=group))
+            out = Path(work) / f"{method}-{group}-{layer_scales}"
+            calib = {"calib_data": CALIB, "calib_samples": CALIB_SAMPLES, "calib_seq_len": CALIB_SEQ_LEN}
+            kept = calibrate.MIN_EXPERT_TOKENS
+            calibrate.MIN_EXPERT_TOKENS = 1 << 62 if layer_scales else kept  # the ablation: every expert falls back
+            try:
+                q = quantize_checkpoint(ckpt, out, QuantizeOptions(method, group_size=group, **calib))
+            finally:
+                calibrate.MIN_EXPERT_TOKENS = kept
             seconds = time.perf_counter() - start
             r = compare(full.forward, load_quantized(out).forward, tokens, args.window)
-            rows.append({"method": method, "group": group if method == "w4a16" else None, "quantize_s": seconds,
+            routed = q.routed_calibration["linears"] if q.routed_calibration else {}
+            counts = [n for info in routed.values() for n in info["tokens"]]
+            rows.append({"method": label, "group": group if method == "w4a16" else None, "quantize_s": seconds,
+                         "expert_tokens": [min(counts), max(counts)] if counts else None,
+                         "fell_back": sum(len(i["fell_back"]) for i in routed.values()) if routed else None,
                          **r.to_dict()})  # fmt: skip
     if args.json:
         print(json.dumps(rows, indent=2))
@@ -89,6 +119,10 @@ def main() -> None:
             f"| {100 * r['same_top1']:.2f} % | {100 * r['dp_rms']:.2f} % |"
         )
     print(f"PPL(reference) = {rows[0]['ppl_reference']:.3f}")
+    for r in rows:
+        if r["expert_tokens"]:
+            low, high = r["expert_tokens"]
+            print(f"{r['method']}: routed tokens per expert {low}..{high}, {r['fell_back']} expert inputs fell back")
 
 
 if __name__ == "__main__":

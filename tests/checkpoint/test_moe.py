@@ -234,8 +234,8 @@ def test_what_does_not_run_experts_yet_says_so(converted: dict[str, tuple[Path, 
     with pytest.raises(UserError, match=r"--tp 2, layer 0: mixture-of-experts layers \(8 experts, top 2\) are not "
                        r"supported here yet \(issue 26\): " + what_runs):  # fmt: skip
         convert(hf, tmp_path / "tp2", tp=2)
-    with pytest.raises(UserError, match=r"weight-only methods w8a16 and w4a16 only, not 'fp8'; choose --method w8a16"):
-        quantize_checkpoint(ckpt, tmp_path / "q", QuantizeOptions("fp8"))  # w8a16, w4a16: tests/quantize/test_moe_quant
+    with pytest.raises(UserError, match=r"w8a16, w4a16 and fp8 only, not 'w4a16_awq'; choose --method w8a16, w4a16"):
+        quantize_checkpoint(ckpt, tmp_path / "q", QuantizeOptions("w4a16_awq"))  # the others: test_moe_quant.py
     with pytest.raises(UserError, match=r"tensor parallelism \(tp=2\) of mixture-of-experts tensors"):
         shard(torch.zeros(8, 4, 4), "experts", read_config(ckpt), 2, 0)
     assert not (tmp_path / "tp2").exists() and not (tmp_path / "q").exists()

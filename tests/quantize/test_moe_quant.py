@@ -215,3 +215,17 @@ def test_an_expert_routed_no_calibration_token_takes_the_layer_scale(
         assert len(zero) >= 2 and set(zero) <= set(info["fell_back"]) and info["fell_back"] == list(range(8))
         act = raw[f"{p}.activation_scaling_factor"][:, 0]
         assert torch.isfinite(act).all() and (act > 0).all() and torch.equal(act, act[zero[0]].expand(8))
+
+
+def test_a_calibrated_kv_cache_runs_with_experts(moe_with_tokenizer: tuple[Path, Path], tmp_path: Path) -> None:
+    """Calibration runs on a model with routed experts, so w8a16 experts take an INT8 KV cache: its scales are
+    written for every layer and the engine equals the fake-quant reference (< 1e-4, same argmax)."""
+    src, text = moe_with_tokenizer
+    opts = QuantizeOptions("w8a16", "int8", calib_data=text, calib_samples=2, calib_seq_len=32)
+    r = quantize_checkpoint(src, tmp_path / "q", opts)
+    assert r.kv_cache_quant_algo == "INT8" and r.routed_calibration is not None
+    assert sum(k.endswith("kv_cache_scaling_factor") for k in load_rank(tmp_path / "q", 0)) == 4
+    fake, engine = load_quantized(tmp_path / "q"), build(tmp_path / "q", tmp_path / "engine")
+    ids = torch.randint(0, 320, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+    g, e = torch.from_numpy(run_alone(engine, ids)), fake.forward(torch.tensor([ids]))[0]
+    assert (g - e).abs().max() < 1e-4 and torch.equal(g.argmax(-1), e.argmax(-1))

@@ -476,8 +476,8 @@ def moe(
     extra = 2 * a.use_bias + a.router_bias + 2 * a.fp8_inputs
     if len(biases) != extra:
         raise ValueError(
-            f"MoE: {len(biases)} bias / scale inputs, expected {extra} (use_bias {a.use_bias}, router_bias "
-            f"{a.router_bias}, fp8_inputs {a.fp8_inputs})"
+            f"MoE: {len(biases)} bias inputs, expected {extra} (use_bias {a.use_bias}, router_bias "
+            f"{a.router_bias}, fp8_inputs {a.fp8_inputs}: its two input scales counted with them)"
         )
     scales = biases[len(biases) - 2 :] if a.fp8_inputs else None
     biases = biases[: len(biases) - 2] if a.fp8_inputs else biases
