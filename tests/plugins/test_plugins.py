@@ -450,23 +450,21 @@ def test_q_scaling_must_be_a_finite_positive_number(bad: Any) -> None:
 
 
 def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
-    """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling even where the graph
-    left it out; the graph itself is not changed."""
+    """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling, sinks and the YaRN
+    fields even where the graph left them out; the graph itself is not changed."""
     from onnx import helper
 
     from toolchain.engine.onnx_fields import complete_plugin_fields
 
     a = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16)
+    yarn = {"rotary_scaling_type": "yarn", "rotary_beta_fast": 8.0, "rotary_beta_slow": 2.0, "rotary_truncate": 0}
+    every = AttentionAttrs(**{**a.__dict__, **yarn, "rotary_attention_factor": 1.1, "q_scaling": 1.7, "sinks": 1})
     ins = ["q", "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]
     nodes = [
-        helper.make_node("KVCacheWrite", ins, ["q0"], domain="trtbuild", **a.to_attributes("KVCacheWrite")),
+        helper.make_node("KVCacheWrite", ins, ["q0"], domain="trtbuild", **every.to_attributes("KVCacheWrite")),
         helper.make_node("PagedAttention", ins, ["o0"], domain="trtbuild", **a.to_attributes("PagedAttention")),
         helper.make_node(
-            "PagedAttention",
-            ins,
-            ["o1"],
-            domain="trtbuild",
-            **AttentionAttrs(**{**a.__dict__, "q_scaling": 1.7}).to_attributes("PagedAttention"),
+            "PagedAttention", [*ins, "sinks"], ["o1"], domain="trtbuild", **every.to_attributes("PagedAttention")
         ),
         helper.make_node("Relu", ["o1"], ["y"]),
     ]
@@ -476,5 +474,6 @@ def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
     assert model.SerializeToString() == before
     assert [done.graph.node[i] for i in (0, 2, 3)] == [model.graph.node[i] for i in (0, 2, 3)]  # nothing to add
     added = done.graph.node[1].attribute
-    assert added[:-1] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
-    assert added[-1].name == "q_scaling" and added[-1].type == onnx.AttributeProto.FLOAT and added[-1].f == 1.0
+    assert added[:-2] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
+    assert added[-2].name == "q_scaling" and added[-2].type == onnx.AttributeProto.FLOAT and added[-2].f == 1.0
+    assert added[-1].name == "sinks" and added[-1].type == onnx.AttributeProto.INT and added[-1].i == 0
