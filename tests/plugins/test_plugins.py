@@ -183,7 +183,8 @@ def test_compiling_under_the_interpreter_is_refused_clearly() -> None:
 
 def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     """Every activation x pool dtype on the standard layer, and each other shape or option at least once; both MoE
-    stages of a Qwen3-30B-A3B-like layer in fp16 and bf16, and of a small one."""
+    stages of a Qwen3-30B-A3B-like layer in fp16 and bf16, of a small one and of gpt-oss-20b's (clamped SwiGLU),
+    whose YaRN attention layer is a variant too."""
     attention = [v for v in aot.VARIANTS if v.ops == tuple(KERNELS)]
     pairs = {(v.activation, v.attrs.kv_cache_dtype) for v in attention}
     for act in ("float16", "bfloat16"):
@@ -193,13 +194,14 @@ def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     qwen3 = MoEAttrs(number_of_experts=128, top_k=8, expert_hidden_size=2048, expert_inter_size=768)
     for act in ("float16", "bfloat16"):
         assert {(act, moe.Stage(qwen3, s)) for s in moe.STAGES} <= {(v.activation, v.attrs) for v in experts}
-    small = [v.attrs.moe for v in experts if v.attrs.moe != qwen3]
+    small = [v.attrs.moe for v in experts if v.attrs.moe != qwen3 and not v.attrs.moe.clamped_swiglu]
     assert small and all(m.use_bias and m.activation == "gelu" and m.expert_inter_size % 16 for m in small)
+    assert any(v.attrs.moe.clamped_swiglu and v.attrs.moe.swiglu_limit for v in experts)  # gpt-oss's SwiGLU
     attrs = [v.attrs for v in attention]
     assert {a.head_size for a in attrs} >= {128, 64, 8} and any(a.head_size & (a.head_size - 1) for a in attrs)
     assert {a.tokens_per_block for a in attrs} >= {16, 32, 64}
     assert {a.rotary_style for a in attrs} == {"neox", "none"}
-    assert {a.rotary_scaling_type for a in attrs} == {"none", "linear", "llama3"}
+    assert {a.rotary_scaling_type for a in attrs} == {"none", "linear", "llama3", "yarn"}
     assert any(a.sliding_window for a in attrs) and any(a.num_heads == a.num_kv_heads for a in attrs)
     assert len({v.name for v in aot.VARIANTS}) == len(aot.VARIANTS)
     for v in aot.VARIANTS:
