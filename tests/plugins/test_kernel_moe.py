@@ -189,7 +189,7 @@ def test_refusals_name_the_value() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral-top2-of-8", "qwen3-moe-unnormalised-step2"])
+@pytest.mark.parametrize("case", ["mixtral-top2-of-8", "qwen3-moe-unnormalised-step2", "gpt-oss-every-feature"])
 def test_the_kernel_drives_a_moe_model_as_the_reference_op_does(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
