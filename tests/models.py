@@ -172,7 +172,7 @@ PARITY: dict[str, Parity] = {
         seq=48,
         engine=True,
     ),
-    "gpt-oss-every-feature": Parity("gpt_oss", GPT_OSS, seq=48),
+    "gpt-oss-every-feature": Parity("gpt_oss", GPT_OSS, seq=48, engine=True),
 }
 
 

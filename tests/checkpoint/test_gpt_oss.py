@@ -1,8 +1,9 @@
 """gpt-oss (issue 26): the checkpoint holds docs/conversion.md's MoE layout (gate/up de-interleaved into [up; gate],
 biases, a float32 router with its bias, float32 sinks), every feature of the parity case is live (each one, switched
 off in the reference, moves the logits; the SwiGLU clamp is reached), the reference forward routes every token to
-the experts transformers' router picks, MXFP4 experts are read exactly as transformers dequantizes them, and what
-is not implemented is refused in one line. Logit parity itself: models.PARITY "gpt-oss-every-feature"."""
+the experts transformers' router picks, MXFP4 experts are read exactly as transformers dequantizes them, the engine
+graph carries sinks, YaRN and the clamped SwiGLU, and what is not implemented is refused in one line. Logit parity
+itself (reference and CPU engine): models.PARITY "gpt-oss-every-feature"."""
 
 from __future__ import annotations
 
@@ -248,10 +249,28 @@ def test_every_source_tensor_is_consumed_or_the_conversion_is_refused(model: tup
         convert(hf, tmp_path / "ckpt")
 
 
-def test_the_engine_refuses_sinks_in_one_line(model: tuple[Path, Path], tmp_path: Path) -> None:
-    with pytest.raises(UserError, match=r"layer 0's attention sinks / YaRN rope are not supported by the attention "
-                       r"plugin yet \(issue 26\)"):  # fmt: skip
-        build_engine(model[1], tmp_path / "engine", BuildOptions(backend="onnxruntime"))
+def test_the_engine_graph_carries_sinks_yarn_and_the_clamped_swiglu(model: tuple[Path, Path], tmp_path: Path) -> None:
+    """What the CPU engine's parity (models.PARITY "gpt-oss-every-feature", engine=True) rests on, in the graph: each
+    PagedAttention takes its layer's float32 sinks as a seventh input, KVCacheWrite the YaRN fields, MoE the router
+    bias and the clamped SwiGLU's fields."""
+    import onnx
+
+    build_engine(model[1], tmp_path / "engine", BuildOptions(backend="onnxruntime"))
+    graph = onnx.load(str(tmp_path / "engine" / "model.onnx"))
+    inits = {t.name: t for t in graph.graph.initializer}
+
+    def attrs(node: onnx.NodeProto) -> dict[str, Any]:
+        return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+    for layer in range(3):
+        nodes = {n.op_type: n for n in graph.graph.node if n.name.startswith(f"transformer.layers.{layer}.")}
+        attention, write, moe = nodes["PagedAttention"], nodes["KVCacheWrite"], nodes["MoE"]
+        assert attention.input[6] == f"transformer.layers.{layer}.attention.sinks" and attrs(attention)["sinks"] == 1
+        assert inits[attention.input[6]].data_type == onnx.TensorProto.FLOAT and inits[attention.input[6]].dims == [4]
+        assert attrs(write)["rotary_scaling_type"] == b"yarn" and attrs(write)["rotary_truncate"] == 0
+        assert attrs(write)["rotary_beta_fast"] == 8.0 and attrs(write)["rotary_attention_factor"] > 1
+        assert attrs(moe)["router_bias"] == 1 and attrs(moe)["swiglu_limit"] == 0.5
+        assert moe.input[-1] == f"transformer.layers.{layer}.mlp.router.bias"
 
 
 def test_the_published_gpt_oss_20b_config_is_read() -> None:

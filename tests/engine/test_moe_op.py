@@ -87,7 +87,12 @@ def naive(
     out = torch.zeros_like(x)
     for e in range(a.number_of_experts):
         h = x @ fc[e].T + (biases[0][e] if a.use_bias else 0)
-        if a.gated:
+        if a.clamped_swiglu:  # gpt-oss: transformers' GptOssExperts._apply_gate, written out
+            up, gate = h[:, : a.expert_inter_size], h[:, a.expert_inter_size :]
+            if a.swiglu_limit:
+                gate, up = gate.clamp(max=a.swiglu_limit), up.clamp(-a.swiglu_limit, a.swiglu_limit)
+            h = gate / (1 + torch.exp(-a.swiglu_alpha * gate)) * (up + a.swiglu_beta)
+        elif a.gated:
             up, gate = h[:, : a.expert_inter_size], h[:, a.expert_inter_size :]
             h = up * NAIVE_ACT[a.activation](gate)
         else:
@@ -129,6 +134,9 @@ def test_every_router_norm_matches_the_dense_float64_mixture(norm: str, top_k: i
         dict(activation="gelu_pytorch_tanh", gated=0, use_bias=1),
         dict(use_bias=1, router_bias=1, router_norm="topk_softmax"),
         dict(router_bias=1),
+        # gpt-oss: a limit the O(1) activations cross, alpha and beta away from plain silu
+        dict(router_bias=1, router_norm="topk_softmax", swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=0.5),
+        dict(use_bias=1, swiglu_alpha=1.702),
     ],
 )
 def test_activations_ungated_experts_and_biases(kw: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ import triton.language as tl
 from toolchain.engine import ops
 from toolchain.engine.ops import AttentionAttrs
 from toolchain.plugins.kernels import common, kv_write
-from toolchain.reference.rope import apply_rotary, inv_freq
+from toolchain.reference.rope import apply_rotary, attention_factor, inv_freq
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 STORAGE = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "int8": torch.int8}
@@ -39,6 +39,17 @@ ROTARY: dict[str, dict[str, Any]] = {
         "rotary_low_freq_factor": 1.0,
         "rotary_high_freq_factor": 4.0,
         "rotary_original_max_positions": 8192,
+    },
+    # gpt-oss-20b's YaRN (untruncated ramp) and its attention factor 0.1 ln(32) + 1
+    "yarn": {
+        "rotary_base": 150000.0,
+        "rotary_scaling_type": "yarn",
+        "rotary_scaling_factor": 32.0,
+        "rotary_original_max_positions": 4096,
+        "rotary_beta_fast": 32.0,
+        "rotary_beta_slow": 1.0,
+        "rotary_truncate": 0,
+        "rotary_attention_factor": 0.1 * math.log(32.0) + 1.0,
     },
 }
 FAR = 3000  # the largest position of every batch (a decode step): angles up to 3000 radians
@@ -86,6 +97,8 @@ CASES = [
     Case("bf16", "fp8", "llama3", 64, 32, (4, 2)),
     Case("fp32", "same", "none", 24, 32, (2, 1)),
     Case("fp16", "fp8", "neox", 96, 16, (12, 4)),
+    Case("bf16", "same", "yarn", 64, 16, (4, 2)),
+    Case("fp32", "int8", "yarn", 24, 32, (2, 1)),
 ]
 
 
@@ -226,7 +239,10 @@ def test_kernel_matches_the_reference_and_writes_only_the_batch_s_slots(case: Ca
         assert (ref_pool[written] != INT8_SENTINEL).all()  # so a slot the kernel left unwritten would show
 
 
-@pytest.mark.parametrize(("rotary", "head_size"), [("neox", 256), ("linear", 24), ("llama3", 128), ("llama3", 96)])
+@pytest.mark.parametrize(
+    ("rotary", "head_size"),
+    [("neox", 256), ("linear", 24), ("llama3", 128), ("llama3", 96), ("yarn", 64), ("yarn", 24)],
+)
 def test_rotary_is_the_reference_s_formula_with_correctly_rounded_cos_sin(rotary: str, head_size: int) -> None:
     """Bit for bit, fp32 in and out, positions up to 500,000: rope.apply_rotary with the reference's own fp32
     angles (rope.inv_freq, one fp32 product) and their cos / sin correctly rounded to fp32 (float64 cos, sin).
@@ -245,7 +261,9 @@ def test_rotary_is_the_reference_s_formula_with_correctly_rounded_cos_sin(rotary
 
     freqs = inv_freq(head_size, a.rotary_base, a.rotary_scaling(), torch.float32)
     angles = (positions.float()[:, None] * freqs[None, :]).repeat(1, 2).double()
-    cos, sin = (f(angles).float()[:, None] for f in (torch.cos, torch.sin))
+    factor = attention_factor(a.rotary_scaling())  # YaRN's, one fp32 product on each (1.0: none)
+    cos, sin = (f(angles).float()[:, None] * factor if factor != 1.0 else f(angles).float()[:, None]
+                for f in (torch.cos, torch.sin))  # fmt: skip
     want = apply_rotary(qkv[:, : 3 * head_size].reshape(n, 3, head_size), cos, sin)
     k = pool[LAYER, torch.arange(n), 0, 0, positions % tpb]
     assert torch.equal(q, want[:, :2].reshape(n, -1)), f"q differs in {int((q != want[:, :2].reshape(n, -1)).sum())}"
@@ -281,7 +299,7 @@ def _cast_kernel(x, y, n, BLOCK: tl.constexpr):
         ({"head_size": 7}, "float16", "head_size 7"),
         ({"head_size": 258}, "float16", "head_size 258"),
         ({"rotary_style": "gptj"}, "float16", "'gptj'"),
-        ({"rotary_scaling_type": "yarn"}, "float16", "'yarn'"),
+        ({"rotary_scaling_type": "dynamic"}, "float16", "'dynamic'"),
         ({}, "float64", "'float64'"),
     ],
 )

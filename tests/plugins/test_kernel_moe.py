@@ -9,6 +9,7 @@ derived from the dtype's unit roundoff (`bound`)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,6 +41,7 @@ class Case(NamedTuple):
     bias: int = 0
     router_bias: int = 0
     norm: str = "softmax_topk"
+    swiglu: tuple[float, float, float] = (1.0, 0.0, 0.0)  # gpt-oss's (alpha, beta, limit); these: plain silu
 
 
 # Not the cross product: every value of every axis appears, each kernel path at least once.
@@ -53,6 +55,9 @@ CASES = [
     Case("bfloat16", 9, 2, 80, 36, 6, norm="softmax_topk_renormalise"),
     Case("bfloat16", 4, 1, 48, 100, 4, gated=0, act="gelu", bias=1),
     Case("bfloat16", 3, 2, 24, 16, 3, act="relu", router_bias=1),
+    # gpt-oss: the clamped SwiGLU with a limit the O(1) pre-activations cross, biases, router bias, topk_softmax
+    Case("float32", 4, 2, 24, 40, 5, bias=1, router_bias=1, norm="topk_softmax", swiglu=(1.702, 1.0, 0.5)),
+    Case("float16", 6, 3, 32, 48, 17, bias=1, router_bias=1, norm="topk_softmax", swiglu=(1.702, 1.0, 0.5)),
 ]
 
 
@@ -67,8 +72,9 @@ class Inputs(NamedTuple):
 
 def make(case: Case, seed: int) -> Inputs:
     a = MoEAttrs(
-        case.experts, case.top_k, case.hidden, case.inter, case.norm, case.act, case.gated, case.bias, case.router_bias
-    )
+        case.experts, case.top_k, case.hidden, case.inter, case.norm, case.act, case.gated, case.bias, case.router_bias,
+        *case.swiglu,
+    )  # fmt: skip
     gen, dtype, e, h, i = seeded.generator(seed), DTYPES[case.activation], case.experts, case.hidden, case.inter
     x = seeded.normal((case.tokens, h), gen, dtype=dtype)
     router = seeded.normal((e, h), gen, std=h**-0.5)  # float32, as converted
@@ -109,8 +115,15 @@ def bound(x: Inputs) -> torch.Tensor:
             if a.gated:
                 up, gate = pre.chunk(2)
                 err_up, err_gate = err_pre.chunk(2)
-                h = up * act(gate)
-                err_h = act(gate).abs() * err_up + (up.abs() + err_up) * SLOPE * err_gate
+                if a.clamped_swiglu:  # clamps are 1-Lipschitz; d/dg g sigmoid(alpha g) is silu's slope at alpha g
+                    limit = a.swiglu_limit or math.inf
+                    up = up.clamp(-limit, limit) + a.swiglu_beta
+                    gate = gate.clamp(max=limit)
+                    sg = gate * torch.sigmoid(a.swiglu_alpha * gate)
+                else:
+                    sg = act(gate)
+                h = up * sg
+                err_h = sg.abs() * err_up + (up.abs() + err_up) * SLOPE * err_gate
             else:
                 h, err_h = act(pre), SLOPE * err_pre
             err_h = err_h + u * (h.abs() + err_h)  # stored in the dtype
@@ -176,7 +189,7 @@ def test_refusals_name_the_value() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral-top2-of-8", "qwen3-moe-unnormalised-step2"])
+@pytest.mark.parametrize("case", ["mixtral-top2-of-8", "qwen3-moe-unnormalised-step2", "gpt-oss-every-feature"])
 def test_the_kernel_drives_a_moe_model_as_the_reference_op_does(
     case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

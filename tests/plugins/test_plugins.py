@@ -183,7 +183,8 @@ def test_compiling_under_the_interpreter_is_refused_clearly() -> None:
 
 def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     """Every activation x pool dtype on the standard layer, and each other shape or option at least once; both MoE
-    stages of a Qwen3-30B-A3B-like layer in fp16 and bf16, and of a small one."""
+    stages of a Qwen3-30B-A3B-like layer in fp16 and bf16, of a small one and of gpt-oss-20b's (clamped SwiGLU),
+    whose YaRN attention layer is a variant too."""
     attention = [v for v in aot.VARIANTS if v.ops == tuple(KERNELS)]
     pairs = {(v.activation, v.attrs.kv_cache_dtype) for v in attention}
     for act in ("float16", "bfloat16"):
@@ -193,13 +194,14 @@ def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     qwen3 = MoEAttrs(number_of_experts=128, top_k=8, expert_hidden_size=2048, expert_inter_size=768)
     for act in ("float16", "bfloat16"):
         assert {(act, moe.Stage(qwen3, s)) for s in moe.STAGES} <= {(v.activation, v.attrs) for v in experts}
-    small = [v.attrs.moe for v in experts if v.attrs.moe != qwen3]
+    small = [v.attrs.moe for v in experts if v.attrs.moe != qwen3 and not v.attrs.moe.clamped_swiglu]
     assert small and all(m.use_bias and m.activation == "gelu" and m.expert_inter_size % 16 for m in small)
+    assert any(v.attrs.moe.clamped_swiglu and v.attrs.moe.swiglu_limit for v in experts)  # gpt-oss's SwiGLU
     attrs = [v.attrs for v in attention]
     assert {a.head_size for a in attrs} >= {128, 64, 8} and any(a.head_size & (a.head_size - 1) for a in attrs)
     assert {a.tokens_per_block for a in attrs} >= {16, 32, 64}
     assert {a.rotary_style for a in attrs} == {"neox", "none"}
-    assert {a.rotary_scaling_type for a in attrs} == {"none", "linear", "llama3"}
+    assert {a.rotary_scaling_type for a in attrs} == {"none", "linear", "llama3", "yarn"}
     assert any(a.sliding_window for a in attrs) and any(a.num_heads == a.num_kv_heads for a in attrs)
     assert len({v.name for v in aot.VARIANTS}) == len(aot.VARIANTS)
     for v in aot.VARIANTS:
@@ -450,23 +452,21 @@ def test_q_scaling_must_be_a_finite_positive_number(bad: Any) -> None:
 
 
 def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
-    """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling even where the graph
-    left it out; the graph itself is not changed."""
+    """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling, sinks and the YaRN
+    fields even where the graph left them out; the graph itself is not changed."""
     from onnx import helper
 
     from toolchain.engine.onnx_fields import complete_plugin_fields
 
     a = AttentionAttrs(layer=0, num_heads=4, num_kv_heads=2, head_size=16, tokens_per_block=16)
+    yarn = {"rotary_scaling_type": "yarn", "rotary_beta_fast": 8.0, "rotary_beta_slow": 2.0, "rotary_truncate": 0}
+    every = AttentionAttrs(**{**a.__dict__, **yarn, "rotary_attention_factor": 1.1, "q_scaling": 1.7, "sinks": 1})
     ins = ["q", "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]
     nodes = [
-        helper.make_node("KVCacheWrite", ins, ["q0"], domain="trtbuild", **a.to_attributes("KVCacheWrite")),
+        helper.make_node("KVCacheWrite", ins, ["q0"], domain="trtbuild", **every.to_attributes("KVCacheWrite")),
         helper.make_node("PagedAttention", ins, ["o0"], domain="trtbuild", **a.to_attributes("PagedAttention")),
         helper.make_node(
-            "PagedAttention",
-            ins,
-            ["o1"],
-            domain="trtbuild",
-            **AttentionAttrs(**{**a.__dict__, "q_scaling": 1.7}).to_attributes("PagedAttention"),
+            "PagedAttention", [*ins, "sinks"], ["o1"], domain="trtbuild", **every.to_attributes("PagedAttention")
         ),
         helper.make_node("Relu", ["o1"], ["y"]),
     ]
@@ -476,5 +476,6 @@ def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
     assert model.SerializeToString() == before
     assert [done.graph.node[i] for i in (0, 2, 3)] == [model.graph.node[i] for i in (0, 2, 3)]  # nothing to add
     added = done.graph.node[1].attribute
-    assert added[:-1] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
-    assert added[-1].name == "q_scaling" and added[-1].type == onnx.AttributeProto.FLOAT and added[-1].f == 1.0
+    assert added[:-2] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
+    assert added[-2].name == "q_scaling" and added[-2].type == onnx.AttributeProto.FLOAT and added[-2].f == 1.0
+    assert added[-1].name == "sinks" and added[-1].type == onnx.AttributeProto.INT and added[-1].i == 0

@@ -32,6 +32,7 @@ from toolchain.quantize import experts
 from toolchain.quantize.methods.base import ACTIVATION_SCALE, Context, quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
+from toolchain.reference.rope import attention_factor
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
@@ -217,11 +218,6 @@ class _Exporter:
         rope = ls.rope
         scaling = (rope.scaling if rope else None) or {}
         kind = scaling.get("rope_type", scaling.get("type", "none"))
-        if ls.sinks or kind == "yarn":  # gpt-oss's attention: not in the plugin yet (issue 26)
-            raise UserError(
-                f"{self.source}: layer {ls.index}'s attention sinks / YaRN rope are not supported by the attention "
-                "plugin yet (issue 26); convert and the reference forward run gpt-oss, the engine does not"
-            )
         kv_scale = 1.0
         if self.kv_dtype in KV_ONNX:
             kv_scale = kv_cache_scale(self.w, ls.prefix, self.source)
@@ -238,6 +234,12 @@ class _Exporter:
             rotary_low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
             rotary_high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
             rotary_original_max_positions=int(scaling.get("original_max_position_embeddings", 8192)),
+            # YaRN (gpt-oss): transformers' defaults where the config leaves a field out (reference/rope.py)
+            rotary_beta_fast=float(scaling.get("beta_fast") or 32.0) if kind == "yarn" else 32.0,
+            rotary_beta_slow=float(scaling.get("beta_slow") or 1.0) if kind == "yarn" else 1.0,
+            rotary_truncate=int(bool(scaling.get("truncate", True))),
+            rotary_attention_factor=attention_factor(scaling or None),
+            sinks=int(ls.sinks),
             sliding_window=ls.window or 0,
             kv_cache_dtype=self.kv_dtype,
             kv_scale=kv_scale,
@@ -266,10 +268,13 @@ class _Exporter:
                 **attrs.to_attributes(WRITE_OP),
             )
         )
+        sinks = []  # gpt-oss: the heads' sink logits, float32 whatever the engine dtype, after the op's six inputs
+        if ls.sinks:
+            sinks = [b.const(f"{layer}.attention.sinks", self.w[f"{layer}.attention.sinks"].float())]
         b.nodes.append(
             helper.make_node(
                 ATTENTION_OP,
-                [f"{layer}.attention.q", *tables, "kv_cache"],
+                [f"{layer}.attention.q", *tables, "kv_cache", *sinks],
                 [f"{layer}.attention.out"],
                 name=f"{layer}.attention/{ATTENTION_OP}",
                 domain=PLUGIN_DOMAIN,
@@ -316,9 +321,8 @@ class _Exporter:
         dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN."""
         b, w, layer = self.b, self.w, ls.prefix
         p = f"{layer}.mlp"
-        gpt_oss = ffn.router_bias or ffn.clamped_swiglu  # the op has neither yet (issue 26's engine slice)
-        if gpt_oss or ffn.shared is not None or quantized(f"{p}.router", w):
-            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # gpt-oss, shared, quantized router
+        if ffn.shared is not None or quantized(f"{p}.router", w):
+            raise experts_unsupported(f"ONNX export, layer {ls.index}", ffn)  # shared experts, quantized router
         a = MoEAttrs(
             number_of_experts=ffn.num_experts,
             top_k=ffn.top_k,
@@ -328,12 +332,18 @@ class _Exporter:
             activation=ffn.activation,
             gated=int(ffn.gated),
             use_bias=int(ffn.bias),
+            router_bias=int(ffn.router_bias),
+            swiglu_alpha=float(ffn.swiglu_alpha),
+            swiglu_beta=float(ffn.swiglu_beta),
+            swiglu_limit=0.0 if ffn.swiglu_limit is None else float(ffn.swiglu_limit),
         )
         e, h = a.number_of_experts, a.expert_hidden_size
         shapes = {f"{p}.router.weight": (e, h), f"{p}.fc.weight": (e, a.fc_rows, h)}
         shapes[f"{p}.proj.weight"] = (e, h, a.expert_inter_size)
         if ffn.bias:
             shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
+        if ffn.router_bias:
+            shapes[f"{p}.router.bias"] = (e,)
         inputs, input_scales = [x], []
         for name, shape in shapes.items():
             prefix = name.removesuffix(".weight")
@@ -348,7 +358,7 @@ class _Exporter:
                     f"{self.source}: {name} is {tuple(tensor.shape)}, layer {ls.index}'s experts need {shape} "
                     f"({e} experts, hidden {h}, expert width {a.expert_inter_size}); re-run convert"
                 )
-            router = name == f"{p}.router.weight"
+            router = name in (f"{p}.router.weight", f"{p}.router.bias")
             inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
         if input_scales:  # fp8 experts: fc's and proj's per-expert input scales, both or neither
             if len(input_scales) != 2:

@@ -7,11 +7,13 @@ KVCacheWrite
   inputs   qkv [num_tokens, (heads + 2 kv_heads) * head_size], position_ids [num_tokens], context_lens [num_seqs],
            new_lens [num_seqs], block_tables [num_seqs, max_blocks], kv_cache (the pool, written in place)
   outputs  q [num_tokens, heads * head_size] (after rotary)
-  q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling); the
+  q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling: linear,
+  llama3, or YaRN with its attention factor on cos and sin, reference/rope.py); the
   new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots.
 
 PagedAttention
-  inputs   q [num_tokens, heads * head_size], position_ids, context_lens, new_lens, block_tables, kv_cache
+  inputs   q [num_tokens, heads * head_size], position_ids, context_lens, new_lens, block_tables, kv_cache, then,
+           when sinks, sinks [heads] (float32: one logit per head in every query's softmax denominator, gpt-oss)
   outputs  out [num_tokens, heads * head_size]
   each new token attends, causally, to every cached and new token of its own sequence at positions <= its own (and
   > its own - sliding_window when there is one), reading K and V from the pool (dequantized); query head h reads
@@ -29,12 +31,13 @@ MoE
   router logits x @ router_weight^T (+ router_bias) in float32; per token the top_k experts and their weights as
   router_norm says (spec.ROUTER_NORMS: softmax_topk, softmax_topk_renormalise, topk_softmax, each computed as
   transformers' router of that kind computes it, so torch.topk breaks ties as there); y = sum over the chosen
-  experts e of weight_e * proj_e(up_e(x) * act(gate_e(x))) (gated) or proj_e(act(fc_e(x))). The weights are the
-  layer's, as ONNX initializers (the checkpoint's tensors: docs/engine.md). Fields: number_of_experts, top_k,
-  expert_hidden_size, expert_inter_size, use_bias (TensorRT-LLM's MixtureOfExperts plugin fields of those names,
-  tensorrt_llm/layers/moe.py `_moe_plugin`); router_norm, activation (spec.ACTIVATIONS), gated and router_bias are
-  ours (TensorRT-LLM folds gating into activation_type, swiglu / geglu, and its normalization_mode enum has no
-  plain softmax-then-top-k without renormalising).
+  experts e of weight_e * proj_e(up_e(x) * act(gate_e(x))) (gated; gpt-oss's clamped SwiGLU where swiglu_alpha /
+  swiglu_beta / swiglu_limit say so) or proj_e(act(fc_e(x))). The weights are the layer's, as ONNX initializers
+  (the checkpoint's tensors: docs/engine.md). Fields: number_of_experts, top_k, expert_hidden_size,
+  expert_inter_size, use_bias, swiglu_alpha, swiglu_beta, swiglu_limit (TensorRT-LLM's MixtureOfExperts fields of
+  those names, tensorrt_llm/layers/moe.py; our swiglu_limit 0 is its None); router_norm, activation
+  (spec.ACTIVATIONS), gated and router_bias are ours (TensorRT-LLM folds gating into activation_type, swiglu / geglu,
+  and its normalization_mode enum has no plain softmax-then-top-k without renormalising).
 """
 
 from __future__ import annotations
@@ -65,11 +68,17 @@ class AttentionAttrs:
     tokens_per_block: int
     rotary_style: str = "neox"  # "neox" (rotate-half) or "none" (learned absolute positions, GPT-2)
     rotary_base: float = 10000.0
-    rotary_scaling_type: str = "none"  # "none", "linear", "llama3"
+    rotary_scaling_type: str = "none"  # "none", "linear", "llama3", "yarn"
     rotary_scaling_factor: float = 1.0
     rotary_low_freq_factor: float = 1.0
     rotary_high_freq_factor: float = 4.0
     rotary_original_max_positions: int = 8192
+    # YaRN (gpt-oss; reference/rope.py): the ramp's rotations, whether its ends are floored / ceiled, and the factor
+    # cos and sin are multiplied by (computed at export from the config, rope.attention_factor)
+    rotary_beta_fast: float = 32.0
+    rotary_beta_slow: float = 1.0
+    rotary_truncate: int = 1
+    rotary_attention_factor: float = 1.0
     sliding_window: int = 0  # 0: attend to the whole context
     kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8
     kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool
@@ -77,8 +86,13 @@ class AttentionAttrs:
     # (tensorrt_llm/_torch/modules/attention.py: "qk_scale = 1 / (sqrt(head_dim) * q_scaling)"; Gemma 2 / 3 set
     # q_scaling = sqrt(query_pre_attn_scalar / head_size) in tensorrt_llm/models/gemma/model.py).
     q_scaling: float = 1.0
+    # 1: a sinks input [num_heads] (float32) follows the pool: one learned logit per head that joins each query's
+    # softmax denominator and attends to nothing (gpt-oss; transformers' eager_attention_forward with sinks)
+    sinks: int = 0
 
     def __post_init__(self) -> None:
+        if self.sinks not in (0, 1):
+            raise ValueError(f"attention sinks {self.sinks!r}: expected 0 or 1 (1: a sinks input per head)")
         q = self.q_scaling
         if isinstance(q, bool) or not isinstance(q, numbers.Real) or not math.isfinite(q) or q <= 0:
             raise ValueError(
@@ -106,8 +120,18 @@ class AttentionAttrs:
             return None
         if self.rotary_scaling_type == "linear":
             return {"rope_type": "linear", "factor": self.rotary_scaling_factor}
+        if self.rotary_scaling_type == "yarn":
+            return {
+                "rope_type": "yarn",
+                "factor": self.rotary_scaling_factor,
+                "original_max_position_embeddings": self.rotary_original_max_positions,
+                "beta_fast": self.rotary_beta_fast,
+                "beta_slow": self.rotary_beta_slow,
+                "truncate": bool(self.rotary_truncate),
+                "attention_factor": self.rotary_attention_factor,
+            }
         if self.rotary_scaling_type != "llama3":
-            raise ValueError(f"rotary_scaling_type {self.rotary_scaling_type!r}: expected none, linear or llama3")
+            raise ValueError(f"rotary_scaling_type {self.rotary_scaling_type!r}: expected none, linear, llama3 or yarn")
         return {
             "rope_type": "llama3",
             "factor": self.rotary_scaling_factor,
@@ -120,10 +144,21 @@ class AttentionAttrs:
 _COMMON = {"layer", "num_heads", "num_kv_heads", "head_size", "tokens_per_block", "kv_cache_dtype", "kv_scale"}
 OP_FIELDS = {
     "KVCacheWrite": _COMMON | {f.name for f in fields(AttentionAttrs) if f.name.startswith("rotary_")},
-    "PagedAttention": _COMMON | {"sliding_window", "q_scaling"},
+    "PagedAttention": _COMMON | {"sliding_window", "q_scaling", "sinks"},
 }
 # Fields added after graphs were first pinned, and the value at which to_attributes leaves them out of the graph.
-OMITTED_AT: dict[str, Any] = {"q_scaling": 1.0, "fp8_inputs": 0}
+OMITTED_AT: dict[str, Any] = {
+    "q_scaling": 1.0,
+    "fp8_inputs": 0,
+    "sinks": 0,
+    "rotary_beta_fast": 32.0,
+    "rotary_beta_slow": 1.0,
+    "rotary_truncate": 1,
+    "rotary_attention_factor": 1.0,
+    "swiglu_alpha": 1.0,
+    "swiglu_beta": 0.0,
+    "swiglu_limit": 0.0,
+}
 
 
 def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch.Tensor:
@@ -188,9 +223,10 @@ def kv_cache_write(
     v = qkv[:, (h + kvh) * d :].reshape(t, kvh, d)
     if a.rotary_style == "neox":
         scaling = (a.rotary_scaling_type, a.rotary_scaling_factor, a.rotary_low_freq_factor, a.rotary_high_freq_factor)
+        yarn = (a.rotary_beta_fast, a.rotary_beta_slow, a.rotary_truncate, a.rotary_attention_factor)
         cos, sin = _memo(
             memo,
-            ("cos_sin", d, a.rotary_base, *scaling, a.rotary_original_max_positions, compute),
+            ("cos_sin", d, a.rotary_base, *scaling, *yarn, a.rotary_original_max_positions, compute),
             lambda: [c[:, None] for c in cos_sin(position_ids.long(), d, a.rotary_base, a.rotary_scaling(), compute)],
         )
         qk = apply_rotary(qk, cos, sin)  # cos / sin [tokens, 1, head_size]: the same angles for every head
@@ -302,13 +338,22 @@ def paged_attention(
     new_lens: torch.Tensor,
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
+    sinks: torch.Tensor | None = None,
     memo: dict[Any, Any] | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its sequence's cached and new tokens, read from the pool.
 
     Sequences with several new tokens (prefill chunks) are computed one by one, single-token sequences (decode
     steps) together in one pass, both through torch's fused scaled_dot_product_attention (grouped-query heads
-    without repeating K / V; scores and softmax in float32 at least). `memo`: see _memo."""
+    without repeating K / V; scores and softmax in float32 at least). `sinks` [num_heads] when a.sinks: each head's
+    logit joins the softmax as one more key whose value is zero (so it takes probability and adds nothing).
+    `memo`: see _memo."""
+    if (sinks is not None) != bool(a.sinks) or (sinks is not None and tuple(sinks.shape) != (a.num_heads,)):
+        shape = None if sinks is None else tuple(sinks.shape)
+        raise ValueError(
+            f"PagedAttention sinks={a.sinks} with a sinks input of shape {shape}: expected "
+            f"{'(' + str(a.num_heads) + ',)' if a.sinks else 'no sinks input'}"
+        )
     t, h, kvh, d = q.shape[0], a.num_heads, a.num_kv_heads, a.head_size
     dtype = q.dtype
     compute = torch.float64 if dtype == torch.float64 else torch.float32  # scores and softmax in fp32 at least
@@ -320,12 +365,13 @@ def paged_attention(
         ("attention_plan", tpb, kvh),
         lambda: _AttentionPlan.of(position_ids, context_lens, new_lens, block_tables, tpb, kvh),
     )
+    sink = None if sinks is None else sinks.to(compute)
     if len(plan.decodes) == 1 and plan.decodes[0].rows is None:  # a decode step: every sequence one query
-        return _decode_attention(a, q, plan.decodes[0], pool, compute, scale).reshape(t, h * d).to(dtype)
+        return _decode_attention(a, q, plan.decodes[0], pool, compute, scale, sink).reshape(t, h * d).to(dtype)
     out = torch.empty(t, h, d, dtype=compute)
     for group in plan.decodes:
         assert group.rows is not None
-        out[group.rows] = _decode_attention(a, q[group.rows], group, pool, compute, scale)
+        out[group.rows] = _decode_attention(a, q[group.rows], group, pool, compute, scale, sink)
     tiles = pool.view(-1, tpb * d)
     positions = position_ids.long()
     for s, start, n, ctx in plan.chunks:
@@ -337,19 +383,36 @@ def paged_attention(
         allowed = key_pos <= query_pos
         if a.sliding_window:
             allowed &= query_pos - key_pos < a.sliding_window
+        mask = allowed[None, None]
+        if sink is not None:  # a zero key and value after the last, its score the head's sink (an additive mask)
+            kv = torch.nn.functional.pad(kv, (0, 0, 0, 1))
+            mask = _sink_mask(mask.expand(1, h, n, total), sink.view(1, h, 1, 1), compute)
         out[start : start + n] = torch.nn.functional.scaled_dot_product_attention(
             q[start : start + n].transpose(0, 1)[None],
             kv[0][None],
             kv[1][None],
-            attn_mask=allowed[None, None],
+            attn_mask=mask,
             enable_gqa=kvh != h,
             scale=scale,
         )[0].transpose(0, 1)
     return out.reshape(t, h * d).to(dtype)
 
 
+def _sink_mask(allowed: torch.Tensor, sink: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """The additive mask of attention with sinks: 0 where `allowed` [..., keys], -inf elsewhere, then one more
+    column, the sink logits (broadcast to [..., 1]), for the zero key and value padded after the last key."""
+    scores = torch.zeros(allowed.shape, dtype=compute).masked_fill_(~allowed, float("-inf"))
+    return torch.cat([scores, sink.expand(*allowed.shape[:-1], 1)], dim=-1)
+
+
 def _decode_attention(
-    a: AttentionAttrs, q: torch.Tensor, group: _DecodeGroup, pool: torch.Tensor, compute: torch.dtype, scale: float
+    a: AttentionAttrs,
+    q: torch.Tensor,
+    group: _DecodeGroup,
+    pool: torch.Tensor,
+    compute: torch.dtype,
+    scale: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One query per sequence, the group's sequences at once, over the keys 0..L-1 of its longest, masked per
     sequence. K and V come from one gather of whole tiles (a block's tokens of one head: 4 KB copies, not 256-byte
@@ -365,11 +428,15 @@ def _decode_attention(
     valid = key_pos <= query_pos
     if a.sliding_window:
         valid &= query_pos - key_pos < a.sliding_window
+    mask = valid[:, None, None, :]
+    if sink is not None:  # as in paged_attention: a zero key and value, scored by the head's sink
+        kv = torch.nn.functional.pad(kv, (0, 0, 0, 1))
+        mask = _sink_mask(mask.expand(n, kvh, h // kvh, -1), sink.view(1, kvh, h // kvh, 1), compute)
     out = torch.nn.functional.scaled_dot_product_attention(
         q.reshape(n, kvh, h // kvh, d),  # a KV head's query heads as its queries: GQA with no repeat of K / V
         kv[0],
         kv[1],
-        attn_mask=valid[:, None, None, :],
+        attn_mask=mask,
         scale=scale,
     )
     return out.reshape(n, h, d)
@@ -393,6 +460,12 @@ class MoEAttrs:
     router_bias: int = 0  # a router_bias input (gpt-oss)
     fp8_inputs: int = 0  # fc_input_scale and proj_input_scale inputs [E] (fp8 experts): each expert's routed rows
     # quantize-dequantized to E4M3 at its own static scale before its fc and its proj GEMM
+    # gpt-oss's clamped SwiGLU (spec.ExpertsFFN; TensorRT-LLM's MoE swiglu_alpha / swiglu_beta / swiglu_limit):
+    # gate * sigmoid(alpha * gate) * (up + beta), the gate clamped to at most the limit and the up to [-limit,
+    # limit]; swiglu_limit 0: no clamp. At their defaults (plain up * silu(gate)) they stay out of the graph.
+    swiglu_alpha: float = 1.0
+    swiglu_beta: float = 0.0
+    swiglu_limit: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
@@ -408,13 +481,28 @@ class MoEAttrs:
         for name in ("gated", "use_bias", "router_bias", "fp8_inputs"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"MoE {name} {getattr(self, name)!r}: expected 0 or 1")
+        if not (self.swiglu_alpha > 0 and self.swiglu_limit >= 0 and math.isfinite(self.swiglu_beta)):
+            raise ValueError(
+                f"MoE swiglu_alpha {self.swiglu_alpha!r}, swiglu_beta {self.swiglu_beta!r}, swiglu_limit "
+                f"{self.swiglu_limit!r}: expected alpha > 0, a finite beta, limit >= 0 (0: no clamp)"
+            )
+        if self.clamped_swiglu and (not self.gated or self.activation != "silu"):
+            raise ValueError(
+                f"MoE swiglu_alpha/beta/limit apply to gated silu experts, not activation {self.activation!r} "
+                f"gated {self.gated}"
+            )
+
+    @property
+    def clamped_swiglu(self) -> bool:
+        return (self.swiglu_alpha, self.swiglu_beta, self.swiglu_limit) != (1.0, 0.0, 0.0)
 
     @property
     def fc_rows(self) -> int:
         return 2 * self.expert_inter_size if self.gated else self.expert_inter_size
 
     def to_attributes(self, op: str) -> dict[str, Any]:
-        """Every field but one at its OMITTED_AT value (a float MoE graph stays byte-identical)."""
+        """As AttentionAttrs.to_attributes: the fields at their OMITTED_AT value (fp8_inputs, the swiglu ones) stay
+        out of the graph, so a float MoE graph stays byte-identical."""
         return {
             k: v for k, v in asdict(self).items() if k in OP_FIELDS[op] and not (k in OMITTED_AT and v == OMITTED_AT[k])
         }
@@ -512,7 +600,13 @@ def moe(
         h = torch.nn.functional.linear(
             xe, fc_weight[expert].to(compute), None if fc_bias is None else fc_bias[expert].to(compute)
         )
-        if a.gated:  # [up; gate]: the second half activated (TensorRT-LLM's MoE fc, DenseFFN.gate_up_fused)
+        if a.clamped_swiglu:  # gpt-oss (reference/model.py `swiglu`, transformers' GptOssExperts._apply_gate)
+            up, gate = h.chunk(2, dim=-1)
+            if a.swiglu_limit:
+                gate = gate.clamp(max=a.swiglu_limit)
+                up = up.clamp(min=-a.swiglu_limit, max=a.swiglu_limit)
+            h = gate * torch.sigmoid(gate * a.swiglu_alpha) * (up + a.swiglu_beta)
+        elif a.gated:  # [up; gate]: the second half activated (TensorRT-LLM's MoE fc, DenseFFN.gate_up_fused)
             up, gate = h.chunk(2, dim=-1)
             h = up * act(gate)
         else:

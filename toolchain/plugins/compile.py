@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -340,7 +341,23 @@ def _variants() -> tuple[Variant, ...]:
             "float16",
             MoEAttrs(8, 2, 96, 40, activation="gelu", use_bias=1, router_bias=1, router_norm="topk_softmax"),
         ),
+        # gpt-oss-20b: YaRN rotary (head size 64, its attention factor), the clamped SwiGLU experts
+        _variant("d64-yarn", "bfloat16", "bfloat16", num_heads=64, head_size=64, **_GPT_OSS_YARN),
+        *_moe_variants("gpt-oss", "bfloat16", _GPT_OSS_MOE),
     )
+
+
+_GPT_OSS_YARN: dict[str, Any] = {
+    "rotary_scaling_type": "yarn",
+    "rotary_scaling_factor": 32.0,
+    "rotary_base": 150000.0,
+    "rotary_original_max_positions": 4096,
+    "rotary_truncate": 0,
+    "rotary_attention_factor": 0.1 * math.log(32.0) + 1.0,
+}
+_GPT_OSS_MOE = MoEAttrs(
+    32, 4, 2880, 2880, "topk_softmax", use_bias=1, router_bias=1, swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0
+)
 
 
 VARIANTS = _variants()

@@ -137,6 +137,10 @@ def _kv_write_desc(
     rotary_low_freq_factor: float,
     rotary_high_freq_factor: float,
     rotary_original_max_positions: int,
+    rotary_beta_fast: float,
+    rotary_beta_slow: float,
+    rotary_truncate: int,
+    rotary_attention_factor: float,
     kv_cache_dtype: str,
     kv_scale: float,
 ) -> trtp.TensorDesc:
@@ -178,6 +182,10 @@ def _kv_write_impl(
     rotary_low_freq_factor: float,
     rotary_high_freq_factor: float,
     rotary_original_max_positions: int,
+    rotary_beta_fast: float,
+    rotary_beta_slow: float,
+    rotary_truncate: int,
+    rotary_attention_factor: float,
     kv_cache_dtype: str,
     kv_scale: float,
     outputs: tuple[trtp.TensorDesc],
@@ -204,6 +212,7 @@ def _attention_desc(
     kv_cache_dtype: str,
     kv_scale: float,
     q_scaling: float,
+    sinks: int,
 ) -> trtp.TensorDesc:
     return q.like()
 
@@ -238,6 +247,7 @@ def _attention_impl(
     kv_cache_dtype: str,
     kv_scale: float,
     q_scaling: float,
+    sinks: int,
     outputs: tuple[trtp.TensorDesc],
     tactic: int,
 ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:

@@ -154,6 +154,11 @@ def check(a: AttentionAttrs, activation: str) -> None:
         )
     if a.sliding_window < 0:
         raise ValueError(f"sliding_window {a.sliding_window}: expected 0 (no window) or a window length > 0")
+    if a.sinks:
+        raise ValueError(
+            f"sinks {a.sinks}: the attention kernel has no attention sinks yet (gpt-oss, issue 26); build gpt-oss "
+            "with --backend onnxruntime (the CPU engine runs them)"
+        )
 
 
 def signature(a: AttentionAttrs, activation: str) -> dict[str, str]:

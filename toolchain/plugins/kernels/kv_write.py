@@ -30,7 +30,7 @@ NUM_WARPS = 4
 TILE = 1024  # elements of one half-head tile [HEAD_BLOCK, BLOCK_D // 2]: 8 per thread of NUM_WARPS warps
 
 ROTARY_STYLES = {"none": 0, "neox": 1}
-ROTARY_SCALINGS = {"none": 0, "linear": 1, "llama3": 2}
+ROTARY_SCALINGS = {"none": 0, "linear": 1, "llama3": 2, "yarn": 3}
 
 # pi / 2 in three parts (fdlibm's pio2_1, pio2_2, pio2_2t): the first two have 33 significant bits, so k * part is
 # exact for |k| < 2**20 (angles below ~1.6e6 radians) and the reduced angle carries no cancellation error.
@@ -99,6 +99,9 @@ def _inv_freq(
         out = tl.where(wavelen > ORIGINAL / LOW, f / FACTOR, f)
         mid = (wavelen >= ORIGINAL / HIGH) & (wavelen <= ORIGINAL / LOW)
         f = tl.where(mid, interpolated, out)
+    elif SCALING == 3:  # rope._yarn: LOW / HIGH are the ramp's ends in pair indices (_rotary), float64 as there
+        ramp = tl.minimum(tl.maximum((i.to(tl.float64) - LOW) / (HIGH - LOW), 0.0), 1.0)
+        f = f / FACTOR * ramp + f * (1 - ramp)
     return f.to(tl.float32)
 
 
@@ -137,6 +140,7 @@ def kv_write_kernel(
     ROTARY_LOW: tl.constexpr,
     ROTARY_HIGH: tl.constexpr,
     ROTARY_ORIGINAL: tl.constexpr,
+    ROTARY_ATTENTION: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_SIZE // 2
     BLOCK_HALF: tl.constexpr = BLOCK_D // 2
@@ -155,6 +159,9 @@ def kv_write_kernel(
             i, BLOCK_HALF, ROTARY_STEP, ROTARY_SCALING, ROTARY_FACTOR, ROTARY_LOW, ROTARY_HIGH, ROTARY_ORIGINAL
         )
         cos, sin = _cos_sin(pos.to(tl.float32) * freq)
+        if ROTARY_SCALING == 3:  # YaRN's attention factor on cos and sin, one fp32 product each (rope.cos_sin)
+            cos = cos * ROTARY_ATTENTION
+            sin = sin * ROTARY_ATTENTION
         c = cos[None, :]
         s = sin[None, :]
         rotated = (row < NUM_HEADS + NUM_KV_HEADS)[:, None]  # q and k heads; v stays as it is
@@ -214,15 +221,33 @@ def _rotary(a: AttentionAttrs) -> dict[str, Any]:
     compiled variant per distinct plugin, not per unused field)."""
     neox = a.rotary_style == "neox"
     scaling = ROTARY_SCALINGS[a.rotary_scaling_type] if neox else 0
+    low, high = (float(a.rotary_low_freq_factor), float(a.rotary_high_freq_factor)) if scaling == 2 else (1.0, 4.0)
+    if scaling == 3:
+        low, high = _yarn_ramp(a)
     return {
         "ROTARY": int(neox),
         "ROTARY_STEP": float(a.rotary_base) ** (2 / a.head_size) if neox else 1.0,
         "ROTARY_SCALING": scaling,
         "ROTARY_FACTOR": float(a.rotary_scaling_factor) if scaling else 1.0,
-        "ROTARY_LOW": float(a.rotary_low_freq_factor) if scaling == 2 else 1.0,
-        "ROTARY_HIGH": float(a.rotary_high_freq_factor) if scaling == 2 else 4.0,
+        "ROTARY_LOW": low,
+        "ROTARY_HIGH": high,
         "ROTARY_ORIGINAL": float(a.rotary_original_max_positions) if scaling == 2 else 1.0,
+        "ROTARY_ATTENTION": float(a.rotary_attention_factor) if scaling == 3 else 1.0,
     }
+
+
+def _yarn_ramp(a: AttentionAttrs) -> tuple[float, float]:
+    """YaRN's ramp ends (pair indices), as rope._yarn computes them from the plugin's fields."""
+    d, base, original = a.head_size, float(a.rotary_base), float(a.rotary_original_max_positions)
+
+    def correction_dim(rotations: float) -> float:
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(float(a.rotary_beta_fast)), correction_dim(float(a.rotary_beta_slow))
+    if a.rotary_truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    return float(low), float(high + 0.001 if low == high else high)
 
 
 def constexprs(a: AttentionAttrs, activation: str) -> dict[str, Any]:

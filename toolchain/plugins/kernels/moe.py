@@ -8,12 +8,12 @@ Three steps, as TensorRT would run them (docs/kernels.md, "MoE"):
    expert: `assignments` [T*k] int32 (assignment t*k+j of token t's j-th expert, grouped by expert, tokens in order
    within each, the reference's stable argsort) and `offsets` [E+1] int32 (expert e's assignments are
    assignments[offsets[e]:offsets[e+1]]). Here in torch; in TensorRT a router plugin (not written yet).
-2. `moe_kernel` with STAGE 0 (fc): h[r] = up * act(gate) of x[assignments[r] // k] through expert e's fc rows,
-   h [T*k, I] in the activation type, in the sorted order; STAGE 1 (proj): out[assignments[r]] = weight *
-   (h[r] @ proj_e^T + proj_bias_e), out [T*k, H] in fp32, in assignment (token-major) order. One launch each: two
-   plugin instances of the same kernel. Programs over (expert, tile of BLOCK_M of its assignments, tile of
-   BLOCK_N output columns); a tile past its expert's count does nothing, so an expert no token chose costs one
-   load of its offsets and its weights are never read.
+2. `moe_kernel` with STAGE 0 (fc): h[r] = up * act(gate) (or gpt-oss's clamped SwiGLU) of x[assignments[r] // k]
+   through expert e's fc rows, h [T*k, I] in the activation type, in the sorted order; STAGE 1 (proj):
+   out[assignments[r]] = weight * (h[r] @ proj_e^T + proj_bias_e), out [T*k, H] in fp32, in assignment
+   (token-major) order. One launch each: two plugin instances of the same kernel. Programs over (expert, tile of
+   BLOCK_M of its assignments, tile of BLOCK_N output columns); a tile past its expert's count does nothing, so an
+   expert no token chose costs one load of its offsets and its weights are never read.
 3. y = out.view(T, k, H).sum(1) in fp32, cast to the activation type (TensorRT: a reduce layer and a cast).
 
 The products: in the activation's type on a GPU, accumulated in fp32; fp32 ("ieee") for fp32 activations and for
@@ -92,6 +92,10 @@ def moe_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SWIGLU: tl.constexpr,
+    SWIGLU_ALPHA: tl.constexpr,
+    SWIGLU_BETA: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr,
 ):
     expert = tl.program_id(0)
     start = tl.load(offsets + expert)
@@ -128,7 +132,15 @@ def moe_kernel(
                 acc_gate += tl.load(b_base + N + n, mask=cols, other=0.0).to(tl.float32)[None, :]
         mask = rows[:, None] & cols[None, :]
         if STAGE == 0:
-            h = acc * activate(acc_gate, ACT) if GATED else activate(acc, ACT)
+            if SWIGLU:  # gpt-oss's clamped SwiGLU (ops.moe): gate * sigmoid(alpha * gate) * (up + beta)
+                gate = acc_gate
+                up = acc
+                if SWIGLU_LIMIT > 0:
+                    gate = tl.minimum(gate, SWIGLU_LIMIT)
+                    up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+                h = gate * sigmoid(gate * SWIGLU_ALPHA) * (up + SWIGLU_BETA)
+            else:
+                h = acc * activate(acc_gate, ACT) if GATED else activate(acc, ACT)
             tl.store(out + r.to(tl.int64)[:, None] * N + n[None, :], common.cast(h, out.dtype.element_ty), mask=mask)
         else:
             scale = tl.load(weights + asg, mask=rows, other=0.0)
@@ -185,6 +197,11 @@ def constexprs(s: Stage, activation: str) -> dict[str, Any]:
         "BLOCK_N": _block(n),
         "BLOCK_K": _block(k),
         "DOT_FP32": activation == "float32",
+        # neutral values without the clamped SwiGLU: one compiled variant per distinct plugin, not per unused field
+        "SWIGLU": s.moe.clamped_swiglu,
+        "SWIGLU_ALPHA": float(s.moe.swiglu_alpha) if s.moe.clamped_swiglu else 1.0,
+        "SWIGLU_BETA": float(s.moe.swiglu_beta) if s.moe.clamped_swiglu else 0.0,
+        "SWIGLU_LIMIT": float(s.moe.swiglu_limit) if s.moe.clamped_swiglu else 0.0,
     }
 
 
