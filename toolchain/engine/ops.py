@@ -458,14 +458,14 @@ class MoEAttrs:
     gated: int = 1  # fc = [up; gate], proj(up * act(gate)); 0: proj(act(fc))
     use_bias: int = 0  # fc_bias and proj_bias inputs
     router_bias: int = 0  # a router_bias input (gpt-oss)
-    fp8_inputs: int = 0  # fc_input_scale and proj_input_scale inputs [E] (fp8 experts): each expert's routed rows
-    # quantize-dequantized to E4M3 at its own static scale before its fc and its proj GEMM
     # gpt-oss's clamped SwiGLU (spec.ExpertsFFN; TensorRT-LLM's MoE swiglu_alpha / swiglu_beta / swiglu_limit):
     # gate * sigmoid(alpha * gate) * (up + beta), the gate clamped to at most the limit and the up to [-limit,
     # limit]; swiglu_limit 0: no clamp. At their defaults (plain up * silu(gate)) they stay out of the graph.
     swiglu_alpha: float = 1.0
     swiglu_beta: float = 0.0
     swiglu_limit: float = 0.0
+    fp8_inputs: int = 0  # fc_input_scale and proj_input_scale inputs [E] (fp8 experts): each expert's routed rows
+    # quantize-dequantized to E4M3 at its own static scale before its fc and its proj GEMM
 
     def __post_init__(self) -> None:
         for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
