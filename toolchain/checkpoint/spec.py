@@ -187,10 +187,10 @@ def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
     """The error a stage raises where it meets an ExpertsFFN it does not run yet (issue 26 lands MoE in slices)."""
     return UserError(
         f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
-        "yet (issue 26): convert (tp=1), the reference forward and the CPU engine run routed experts, w8a16 / w4a16 "
-        "quantize them; shared experts, gpt-oss's experts on the engine (router bias, clamped SwiGLU), calibration "
-        "(fp8, AWQ, SmoothQuant, int8 / fp8 KV), tensor or expert parallelism and the TensorRT backend do not. Use a "
-        "tp=1 checkpoint, float or w8a16 / w4a16, on the onnxruntime backend, or a dense model"
+        "yet (issue 26): convert (tp=1), the reference forward and the CPU engine run routed experts (gpt-oss's "
+        "included), w8a16 / w4a16 / fp8 quantize them; shared experts, AWQ and SmoothQuant of experts, tensor or "
+        "expert parallelism and the TensorRT backend do not. Use a tp=1 checkpoint, float or w8a16 / w4a16 / fp8, on "
+        "the onnxruntime backend, or a dense model"
     )
 
 
