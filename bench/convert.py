@@ -34,20 +34,27 @@ sys.path.insert(0, str(ROOT))
 from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo  # noqa: E402
 
 
-def llama_tensors(hidden: int, layers: int, inter: int, vocab: int, heads: int, kv_heads: int) -> list[TensorInfo]:
+def attention_tensors(p: str, hidden: int, heads: int, kv_heads: int) -> dict[str, tuple[int, ...]]:
+    """A layer's norms and attention projections, as both bench models (Llama, Qwen3-MoE) name them."""
     head = hidden // heads
+    return {
+        p + "input_layernorm.weight": (hidden,),
+        p + "post_attention_layernorm.weight": (hidden,),
+        p + "self_attn.q_proj.weight": (heads * head, hidden),
+        p + "self_attn.k_proj.weight": (kv_heads * head, hidden),
+        p + "self_attn.v_proj.weight": (kv_heads * head, hidden),
+        p + "self_attn.o_proj.weight": (hidden, heads * head),
+    }
+
+
+def llama_tensors(hidden: int, layers: int, inter: int, vocab: int, heads: int, kv_heads: int) -> list[TensorInfo]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
     shapes["lm_head.weight"] = (vocab, hidden)
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update(
             {
-                p + "input_layernorm.weight": (hidden,),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (heads * head, hidden),
-                p + "self_attn.k_proj.weight": (kv_heads * head, hidden),
-                p + "self_attn.v_proj.weight": (kv_heads * head, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * head),
+                **attention_tensors(p, hidden, heads, kv_heads),
                 p + "mlp.gate_proj.weight": (inter, hidden),
                 p + "mlp.up_proj.weight": (inter, hidden),
                 p + "mlp.down_proj.weight": (hidden, inter),
@@ -64,12 +71,7 @@ def qwen3_moe_tensors(args: argparse.Namespace) -> list[TensorInfo]:
         p = f"model.layers.{i}."
         shapes.update(
             {
-                p + "input_layernorm.weight": (hidden,),
-                p + "post_attention_layernorm.weight": (hidden,),
-                p + "self_attn.q_proj.weight": (heads * head, hidden),
-                p + "self_attn.k_proj.weight": (kv_heads * head, hidden),
-                p + "self_attn.v_proj.weight": (kv_heads * head, hidden),
-                p + "self_attn.o_proj.weight": (hidden, heads * head),
+                **attention_tensors(p, hidden, heads, kv_heads),
                 p + "self_attn.q_norm.weight": (head,),
                 p + "self_attn.k_norm.weight": (head,),
                 p + "mlp.gate.weight": (args.experts, hidden),
