@@ -4,12 +4,14 @@ Every variant the plugin serves (activation fp32 / fp16 / bf16; pool of the acti
 sizes 8 to 256; 16 / 32 / 64 tokens per block; GQA 1 to 20; a sliding window; q_scaling) on one batch that mixes a
 prefill chunk after a cached prefix, a prefill from position 0 and decode steps, with shuffled block tables and
 part-full last blocks. Every pool slot no sequence owns holds NaN (float pools, fp8's 0x7f) or an extreme int8
-code, so a read past a mask shows; the truth is the reference op in float64.
+code, so a read past a mask shows; the truth is the reference op in float64. Every case runs again with attention
+sinks (gpt-oss): moderate logits, one that dominates every score and one too negative to matter.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import NamedTuple
 
 import pytest
@@ -73,6 +75,7 @@ class Inputs(NamedTuple):
     new_lens: torch.Tensor
     block_tables: torch.Tensor
     kv_cache: torch.Tensor
+    sinks: torch.Tensor | None = None
 
 
 def stale(pool: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
@@ -84,15 +87,21 @@ def stale(pool: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tens
     return torch.full(shape, float("nan"), dtype=POOLS[pool])
 
 
-def make_inputs(c: Case, batch: list[tuple[int, int]], seed: int) -> Inputs:
+# sink logits: one far above every score (|scores| here stay under ~15), one whose exp underflows to 0
+DOMINANT, NEGLIGIBLE = 30.0, -1e4
+
+
+def make_inputs(c: Case, batch: list[tuple[int, int]], seed: int, sinks: bool = False) -> Inputs:
     """A pool written by the reference KVCacheWrite with every sequence's tokens 0..total-1 (the cached prefix and
-    this step's tokens: the write precedes attention in a layer), on shuffled blocks; the step's queries."""
+    this step's tokens: the write precedes attention in a layer), on shuffled blocks; the step's queries. With
+    `sinks`, float32 sink logits per head: 2 N(0, 1) (of the scores' order), head 0's DOMINANT, the last one's
+    NEGLIGIBLE."""
     gen = seeded.generator(seed)
     dtype, tpb, d = DTYPES[c.activation], c.tokens_per_block, c.head_size
     a = AttentionAttrs(
         layer=LAYER, num_heads=c.heads, num_kv_heads=c.kv_heads, head_size=d, tokens_per_block=tpb,
         rotary_style="none", sliding_window=tpb // 2 + 3 if c.window else 0, kv_cache_dtype=c.pool,
-        kv_scale=SCALES.get(c.pool, 1.0), q_scaling=c.q_scaling,
+        kv_scale=SCALES.get(c.pool, 1.0), q_scaling=c.q_scaling, sinks=int(sinks),
     )  # fmt: skip
     owned = [blocks_for(ctx + n, tpb) for ctx, n in batch]
     num_blocks, max_blocks = sum(owned) + 3, max(owned) + 1
@@ -114,13 +123,17 @@ def make_inputs(c: Case, batch: list[tuple[int, int]], seed: int) -> Inputs:
     q = seeded.normal((len(positions), c.heads * d), gen, dtype=dtype)
     contexts = torch.tensor([ctx for ctx, _ in batch], dtype=torch.int32)
     news = torch.tensor([n for _, n in batch], dtype=torch.int32)
-    return Inputs(a, q, positions, contexts, news, tables, kv_cache)
+    logits = None
+    if sinks:
+        logits = 2 * seeded.normal((c.heads,), gen, dtype=torch.float32)
+        logits[0], logits[-1] = DOMINANT, NEGLIGIBLE
+    return Inputs(a, q, positions, contexts, news, tables, kv_cache, logits)
 
 
 def truth(x: Inputs) -> torch.Tensor:
     """The reference op in float64: float pools upcast (NaN stays NaN), int8 / fp8 codes as they are."""
     pool = x.kv_cache.double() if x.attrs.kv_cache_dtype in DTYPES else x.kv_cache
-    return reference(x.attrs, x.q.double(), x.position_ids, x.context_lens, x.new_lens, x.block_tables, pool)
+    return reference(x.attrs, x.q.double(), x.position_ids, x.context_lens, x.new_lens, x.block_tables, pool, x.sinks)
 
 
 def tolerance(x: Inputs) -> float:
@@ -129,7 +142,9 @@ def tolerance(x: Inputs) -> float:
     operands, |q.k| * scale <= A = max|q| max|k| * scale by Cauchy-Schwarz) is off by at most (d + 8) u32 (A + 1);
     the accumulation over n keys and the exp2 / rescaling add (n + 8) u32; on a GPU p is rounded to the
     activation's type before the PV product (u_p: its unit roundoff; with fp32 products, attention.dot_fp32:
-    u_p = u32).
+    u_p = u32). With sinks, a sink logit s is one more score, exact but for its fp32 product with log2(e) (its
+    weight off by u32 (|s| + 1)); the sink takes at most the share exp(s + A) of the weights (every score >= -A),
+    so a logit far below the scores (NEGLIGIBLE) costs nothing.
     Then one rounding of the output to the activation's type: u_act max|V| (|out| <= max|V|)."""
     a, dtype = x.attrs, x.q.dtype
     u32, u_act = UNIT[torch.float32], UNIT[dtype]
@@ -141,6 +156,8 @@ def tolerance(x: Inputs) -> float:
     big = q_norm * k_norm / (a.head_size**0.5 * a.q_scaling)
     n = int(x.position_ids.max()) + 1
     weights = (a.head_size + 8) * u32 * (big + 1) + (n + 8) * u32 + u_p
+    if x.sinks is not None:
+        weights += max(u32 * (abs(s) + 1) * min(1.0, math.exp(min(s + big, 0.0))) for s in x.sinks.tolist())
     v_max = rows.abs().max().item()
     return float(2 * weights * v_max + u_act * v_max)
 
@@ -183,6 +200,25 @@ def test_kernel_matches_reference_on_a_mixed_batch(case: Case) -> None:
     print(f"{case}: max abs error {abs_err:.3g}, max rel error {rel_err:.3g}, tolerance {tolerance(x):.3g}")
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_kernel_with_sinks_matches_reference_on_a_mixed_batch(case: Case) -> None:
+    """Every case again with a sink logit per head (gpt-oss): within the bound; head 0's DOMINANT sink takes all
+    the weight (its output ~0: the sink's zero value), the last head's NEGLIGIBLE one changes nothing, bit for bit
+    the kernel's output without sinks (the running max starts below the first block's and is rescaled away)."""
+    x = make_inputs(case, mixed_batch(case.tokens_per_block), seed=CASES.index(case), sinks=True)
+    abs_err, rel_err = run_and_compare(x)
+    print(f"{case} with sinks: max abs error {abs_err:.3g}, max rel error {rel_err:.3g}, tolerance {tolerance(x):.3g}")
+    d = case.head_size
+    got = attention.paged_attention(*x).reshape(-1, case.heads, d).double()
+    plain = x._replace(attrs=dataclasses.replace(x.attrs, sinks=0), sinks=None)
+    without = attention.paged_attention(*plain).reshape(-1, case.heads, d)
+    v_max = pool_values(x).nan_to_num().abs().max().item()
+    assert got[:, 0].abs().max() <= 1e-6 * v_max, "the dominant sink did not take head 0's weight"
+    assert torch.equal(got[:, -1].to(without.dtype), without[:, -1]), "the negligible sink changed the last head"
+    if case.heads > 2:  # moderate sinks move the output: the comparison above is not of two sink-free results
+        assert (got[:, 1:-1] - without[:, 1:-1].double()).abs().max() > 10 * tolerance(x)
+
+
 @pytest.mark.parametrize(
     "batch",
     [[(16, 1), (40, 1), (3, 1)], [(0, 5)], [(7, 2), (0, 1)]],
@@ -199,3 +235,18 @@ def test_unservable_attributes_are_refused() -> None:
         attention.check(a, "float32")
     with pytest.raises(ValueError, match="head_size 7"):
         attention.check(dataclasses.replace(a, num_kv_heads=2, head_size=7), "float32")
+    with pytest.raises(ValueError, match="sinks 2: expected 0"):
+        attention.check(dataclasses.replace(a, num_kv_heads=2, sinks=2), "float32")
+
+
+def test_a_sinks_input_must_match_the_attribute() -> None:
+    """The sinks input exactly when sinks=1: float32, one logit per head (what export.py writes)."""
+    x = make_inputs(CASES[0], [(0, 2)], seed=0, sinks=True)
+    for attrs, sinks, message in [
+        (x.attrs, None, "sinks=1 with a sinks input of none: expected float32 \\(2,\\)"),
+        (x.attrs, torch.zeros(3), "sinks=1 with a sinks input of torch.float32 \\(3,\\)"),
+        (x.attrs, torch.zeros(2, dtype=torch.float16), "torch.float16 \\(2,\\): expected float32"),
+        (dataclasses.replace(x.attrs, sinks=0), x.sinks, "sinks=0 with a sinks input of .*: expected none"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            attention.paged_attention(*x._replace(attrs=attrs, sinks=sinks))

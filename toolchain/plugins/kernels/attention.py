@@ -1,8 +1,13 @@
 """PagedAttention in Triton: causal attention of each new token over its sequence's tokens in the paged pool.
 
 Same contract as the reference op `toolchain.engine.ops.paged_attention` (its docstring is the op's definition):
-`paged_attention(a, q, position_ids, context_lens, new_lens, block_tables, kv_cache)` here takes the same
+`paged_attention(a, q, position_ids, context_lens, new_lens, block_tables, kv_cache, sinks)` here takes the same
 arguments and returns the same output; one launch of `attention_kernel` over `grid(a, num_tokens)`.
+
+Attention sinks (gpt-oss, `a.sinks`): a seventh input pointer, the heads' float32 sink logits, after the pool; a
+variant without sinks has no such parameter (`sinks` is the constexpr None there), so its PTX is unchanged. A sink
+is a key whose value is zero and whose scaled score is the logit itself, as in the reference: the online softmax
+starts from it (running max the sink, denominator exp(0) = 1, accumulator 0) instead of from an empty row.
 
 One program per (new token, KV head, chunk of that KV head's query heads): prefill chunks and decode steps mix in
 one launch, each token walking its own sequence's blocks. The query heads of a GQA group are the rows of one
@@ -64,6 +69,7 @@ def attention_kernel(
     new_lens,
     block_tables,
     kv_cache,
+    sinks,
     num_tokens,
     num_seqs,
     max_blocks,
@@ -83,6 +89,7 @@ def attention_kernel(
     SLIDING_WINDOW: tl.constexpr,
     QK_SCALE_LOG2: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SINKS: tl.constexpr,
 ):
     t = tl.program_id(0)
     kv_head = tl.program_id(1) // tl.cdiv(GROUP, BLOCK_G)
@@ -114,8 +121,15 @@ def attention_kernel(
     # the keys' steps from the window's first (or key 0) to the one holding the token's own position: each holds
     # at least one key the token attends to, so the running maximum is finite after the first
     first = tl.maximum(pos - SLIDING_WINDOW + 1, 0) // BLOCK_N if SLIDING_WINDOW > 0 else 0
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
+    if SINKS:
+        # the reference scores the sink's zero key with the logit itself, added after the softmax scale (and not
+        # times kv_scale): in the scores' log2 units that is sink * log2(e). A padded row keeps the empty start.
+        sink = tl.load(sinks + heads, mask=rows, other=float("-inf")).to(tl.float32)
+        m = sink * 1.4426950408889634  # LOG2E
+        lsum = tl.where(rows, 1.0, 0.0)
+    else:
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        lsum = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for i in range(first, pos // BLOCK_N + 1):
         j = i // (TOKENS_PER_BLOCK // BLOCK_N)  # the sequence's block (column of its block table)
@@ -154,17 +168,21 @@ def check(a: AttentionAttrs, activation: str) -> None:
         )
     if a.sliding_window < 0:
         raise ValueError(f"sliding_window {a.sliding_window}: expected 0 (no window) or a window length > 0")
-    if a.sinks:
-        raise ValueError(
-            f"sinks {a.sinks}: the attention kernel has no attention sinks yet (gpt-oss, issue 26); build gpt-oss "
-            "with --backend onnxruntime (the CPU engine runs them)"
-        )
+    if a.sinks not in (0, 1):
+        raise ValueError(f"sinks {a.sinks}: expected 0 (none) or 1 (a float32 sink logit per head as an input)")
+
+
+SINKS_TYPE = "*fp32"  # the sinks input: float32 whatever the activations (export.py writes it so)
 
 
 def signature(a: AttentionAttrs, activation: str) -> dict[str, str]:
-    """triton.compile's signature: the TensorRT-ordered parameters, then every constexpr."""
+    """triton.compile's signature: the TensorRT-ordered parameters, then every constexpr. With sinks, their
+    pointer is a seventh input after the pool; without, `sinks` is a constexpr (None) and no parameter."""
     check(a, activation)
     sig = common.common_signature(activation, a.kv_cache_dtype, "q", "out")
+    inputs = list(sig.items())
+    at = list(sig).index("kv_cache") + 1
+    sig = dict([*inputs[:at], ("sinks", SINKS_TYPE if a.sinks else "constexpr"), *inputs[at:]])
     return {**sig, **dict.fromkeys(constexprs(a, activation), "constexpr")}
 
 
@@ -199,6 +217,8 @@ def constexprs(a: AttentionAttrs, activation: str) -> dict[str, Any]:
         # 1 / (sqrt(head_size) * q_scaling) in float64, times log2(e) for exp2; rounded to fp32 once, in the kernel
         "QK_SCALE_LOG2": LOG2E / (math.sqrt(a.head_size) * a.q_scaling),
         "DOT_FP32": activation == "float32",
+        "SINKS": bool(a.sinks),
+        **({} if a.sinks else {"sinks": None}),  # no sinks pointer: a constexpr None in its place
     }
 
 
@@ -228,17 +248,25 @@ def paged_attention(
     new_lens: torch.Tensor,
     block_tables: torch.Tensor,
     kv_cache: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     activation = str(q.dtype).removeprefix("torch.")
     check(a, activation)
+    if (sinks is not None) != bool(a.sinks) or (
+        sinks is not None and (tuple(sinks.shape) != (a.num_heads,) or sinks.dtype != torch.float32)
+    ):
+        got = "none" if sinks is None else f"{sinks.dtype} {tuple(sinks.shape)}"
+        want = f"float32 ({a.num_heads},)" if a.sinks else "none"
+        raise ValueError(f"PagedAttention sinks={a.sinks} with a sinks input of {got}: expected {want}")
     t = q.shape[0]
     out = torch.empty(t, a.num_heads * a.head_size, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     dims = scalars(a, t, new_lens.shape[0], block_tables.shape[1], kv_cache.shape[1])
     consts = {**constexprs(a, activation), "DOT_FP32": dot_fp32(activation)}
+    consts.pop("sinks", None)  # passed positionally: None (a constexpr) without sinks
     attention_kernel[grid(a, t)](
-        q, position_ids, context_lens, new_lens, block_tables, kv_cache, *dims, out,
+        q, position_ids, context_lens, new_lens, block_tables, kv_cache, sinks, *dims, out,
         **consts, num_warps=NUM_WARPS, **common.OPTIONS,
     )  # fmt: skip
     return out
