@@ -93,7 +93,8 @@ def test_every_variant_compiles_for_every_sm_without_spills(compiled: dict[str, 
 
 @pytest.mark.slow
 def test_ptx_entries_take_exactly_what_tensorrt_passes(compiled: dict[str, Any]) -> None:
-    """The attention-pool kernels: 6 input pointers, the int32 scalars (common.SCALARS), 1 output pointer; the MoE
+    """The attention-pool kernels: 6 input pointers (7 with attention sinks), the int32 scalars (common.SCALARS), 1
+    output pointer; the MoE
     kernel: 5 input pointers (6 with biases), no scalar, 1 output pointer — derived from each kernel module's
     signature — in the PTX TensorRT loads and in the cubin ptxas made of it (cuobjdump's parameter sizes)."""
     variants = {v.name: v for v in aot.VARIANTS}
@@ -101,7 +102,8 @@ def test_ptx_entries_take_exactly_what_tensorrt_passes(compiled: dict[str, Any])
     for arch, name, op, r in _records(compiled):
         expected = _expected_params(op, variants[name])
         if op in KERNELS:
-            assert expected == ["u64 ptr"] * 6 + ["u32"] * len(common.SCALARS) + ["u64 ptr"]
+            inputs = 6 + (op == "PagedAttention" and variants[name].attrs.sinks)
+            assert expected == ["u64 ptr"] * inputs + ["u32"] * len(common.SCALARS) + ["u64 ptr"]
         else:
             assert expected == ["u64 ptr"] * (6 + variants[name].attrs.moe.use_bias)
         text = Path(r["ptx"]).read_text()
@@ -203,6 +205,8 @@ def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     assert {a.rotary_style for a in attrs} == {"neox", "none"}
     assert {a.rotary_scaling_type for a in attrs} == {"none", "linear", "llama3", "yarn"}
     assert any(a.sliding_window for a in attrs) and any(a.num_heads == a.num_kv_heads for a in attrs)
+    # gpt-oss's attention sinks on both of its layer kinds: the sliding window and full attention
+    assert {a.sliding_window > 0 for a in attrs if a.sinks} == {True, False}
     assert len({v.name for v in aot.VARIANTS}) == len(aot.VARIANTS)
     for v in aot.VARIANTS:
         for op in v.ops:
@@ -453,7 +457,8 @@ def test_q_scaling_must_be_a_finite_positive_number(bad: Any) -> None:
 
 def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
     """tensorrt.plugin takes no default field values, so what TensorRT parses carries q_scaling, sinks and the YaRN
-    fields even where the graph left them out; the graph itself is not changed."""
+    fields even where the graph left them out; attention with sinks (seven inputs) is renamed the plugin that takes
+    them, PagedAttentionSinks; the graph itself is not changed."""
     from onnx import helper
 
     from toolchain.engine.onnx_fields import complete_plugin_fields
@@ -474,7 +479,11 @@ def test_tensorrt_parses_plugin_nodes_with_every_field() -> None:
     before = model.SerializeToString()
     done = complete_plugin_fields(model)
     assert model.SerializeToString() == before
-    assert [done.graph.node[i] for i in (0, 2, 3)] == [model.graph.node[i] for i in (0, 2, 3)]  # nothing to add
+    assert [done.graph.node[i] for i in (0, 3)] == [model.graph.node[i] for i in (0, 3)]  # nothing to add
+    renamed = onnx.NodeProto()
+    renamed.CopyFrom(model.graph.node[2])
+    renamed.op_type = "PagedAttentionSinks"
+    assert done.graph.node[2] == renamed and model.graph.node[2].op_type == "PagedAttention"
     added = done.graph.node[1].attribute
     assert added[:-2] == model.graph.node[1].attribute and {f.name for f in added} == OP_FIELDS["PagedAttention"]
     assert added[-2].name == "q_scaling" and added[-2].type == onnx.AttributeProto.FLOAT and added[-2].f == 1.0

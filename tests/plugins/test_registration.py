@@ -5,6 +5,7 @@ subprocess (TRITON_INTERPRET, which pytest sets, cannot compile)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import os
@@ -29,9 +30,11 @@ from toolchain.plugins.kernels import KERNEL_FUNCTIONS, KERNELS, common
 ROOT = Path(__file__).resolve().parents[2]
 REG = "toolchain.plugins.tensorrt_registration"
 OPS = ("KVCacheWrite", "PagedAttention")
+PLUGINS = (*OPS, "PagedAttentionSinks")  # attention with sinks (a seventh input) is a plugin of its own
+SINKS = "trtbuild::PagedAttentionSinks"
 
 # (activation, attrs): fp16 and bf16; every pool; GQA 4, MHA and MQA; head sizes 64, 24, 128, 40 (24, 40: not powers
-# of two); 16, 32, 64 tokens per block
+# of two); 16, 32, 64 tokens per block; gpt-oss's attention sinks with its 128-token window
 CASES: list[tuple[str, dict[str, Any]]] = [
     ("float16", dict(layer=1, num_heads=8, num_kv_heads=2, head_size=64, tokens_per_block=16,
                      kv_cache_dtype="float16")),
@@ -41,6 +44,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
                      kv_scale=0.375, sliding_window=32)),
     ("bfloat16", dict(layer=2, num_heads=6, num_kv_heads=2, head_size=40, tokens_per_block=16,
                       kv_cache_dtype="bfloat16", rotary_scaling_type="llama3", rotary_scaling_factor=8.0)),
+    ("bfloat16", dict(layer=1, num_heads=16, num_kv_heads=2, head_size=64, tokens_per_block=32, kv_cache_dtype="fp8",
+                      kv_scale=0.25, sliding_window=128, sinks=1)),
 ]  # fmt: skip
 
 
@@ -67,7 +72,8 @@ def _first_width(op: str, a: AttentionAttrs) -> int:
 
 
 def _inputs(op: str, activation: str, a: AttentionAttrs) -> list[Any]:
-    return trt_contract.input_descs(op, activation, a.kv_cache_dtype, _first_width(op, a))
+    sink_heads = a.num_heads if op == "PagedAttention" and a.sinks else 0
+    return trt_contract.input_descs(op, activation, a.kv_cache_dtype, _first_width(op, a), sink_heads)
 
 
 def _fields(op: str, a: AttentionAttrs) -> dict[str, Any]:
@@ -80,7 +86,7 @@ def test_output_shapes_and_types(registered: Any, activation: str, attrs: dict[s
     a = AttentionAttrs(**attrs)
     for op in OPS:
         inputs = _inputs(op, activation, a)
-        out = registry["register"][f"trtbuild::{op}"](*inputs, **_fields(op, a))
+        out = registry["register"][trt_contract.plugin_id(op, a)](*inputs, **_fields(op, a))
         assert out.dtype == inputs[0].dtype, op
         assert len(out.shape_expr) == 2, op
         assert out.shape_expr[0].text == inputs[0].shape_expr[0].text  # num_tokens, symbolic
@@ -90,14 +96,15 @@ def test_output_shapes_and_types(registered: Any, activation: str, attrs: dict[s
 
 def test_functions_follow_the_documented_schemas(registered: Any) -> None:
     """aot_impl: (inputs, attributes, outputs, tactic); autotune: (inputs, outputs); register: (inputs, attributes),
-    the attributes exactly the op's fields (OP_FIELDS), inputs annotated TensorDesc."""
+    the attributes exactly the op's fields (OP_FIELDS), inputs annotated TensorDesc: six, seven with sinks."""
     _, registry, _ = registered
-    for op in OPS:
-        pid = f"trtbuild::{op}"
+    assert set(registry["register"]) == {f"trtbuild::{p}" for p in PLUGINS}
+    for plugin in PLUGINS:
+        pid, op = f"trtbuild::{plugin}", plugin.removesuffix("Sinks")
         reg = list(inspect.signature(registry["register"][pid]).parameters.values())
         inputs = [p.name for p in reg if "TensorDesc" in str(p.annotation)]
         attrs = [p.name for p in reg if "TensorDesc" not in str(p.annotation)]
-        assert len(inputs) == 6 and set(attrs) == OP_FIELDS[op], op
+        assert len(inputs) == 6 + (op != plugin) and set(attrs) == OP_FIELDS[op], op
         aot = list(inspect.signature(registry["aot_impl"][pid]).parameters)
         assert aot == [*inputs, *attrs, "outputs", "tactic"], op
         assert list(inspect.signature(registry["autotune"][pid]).parameters) == [*inputs, "outputs"], op
@@ -113,8 +120,9 @@ def test_autotune_types_are_the_graph_types(registered: Any) -> None:
     for kv, onnx_type in KV_ONNX.items():
         trt_type = trt_contract.str_to_data_type(reg.TRT_TYPE_NAMES[kv])
         assert trt_type == onnx_to_trt[TensorProto.DataType.Name(onnx_type)], kv
-    for op in OPS:
-        combos = registry["autotune"][f"trtbuild::{op}"](*([None] * 6), outputs=(None,))
+    for plugin in PLUGINS:
+        sinks = plugin.endswith("Sinks")
+        combos = registry["autotune"][f"trtbuild::{plugin}"](*([None] * (6 + sinks)), outputs=(None,))
         got = {(c.types[0], c.types[5]) for c in combos}
         want = set()
         for act in common.ACTIVATIONS:
@@ -124,7 +132,8 @@ def test_autotune_types_are_the_graph_types(registered: Any) -> None:
                           trt_contract.str_to_data_type(reg.TRT_TYPE_NAMES[pool])))  # fmt: skip
         assert got == want and len(combos) == len(want)
         for c in combos:
-            assert len(c.types) == 7 and c.types[1:5] == [trt.DataType.INT32] * 4 and c.types[6] == c.types[0]
+            assert len(c.types) == 7 + sinks and c.types[1:5] == [trt.DataType.INT32] * 4 and c.types[-1] == c.types[0]
+            assert c.types[6:-1] == [trt.DataType.FLOAT] * sinks  # the sink logits: FP32 (export.py writes float32)
             assert c.layouts == ["LINEAR"]
 
 
@@ -137,6 +146,25 @@ def test_aot_impl_refuses_a_pool_of_another_type(registered: Any) -> None:
     with pytest.raises(ValueError, match=r"kv_cache_dtype=.int8. needs INT8"):
         registry["aot_impl"]["trtbuild::PagedAttention"](*inputs, **_fields("PagedAttention", a), outputs=(out,),
                                                          tactic=0)  # fmt: skip
+
+
+def test_aot_impl_takes_sinks_only_through_the_sinks_plugin(registered: Any) -> None:
+    """sinks=1 reaching the six-input plugin (a graph TensorRT parsed without complete_plugin_fields), sinks=0 on
+    the seven-input one, and sink logits of another type than FP32 are refused, naming the plugin and the fix."""
+    trt, registry, _ = registered
+    a = AttentionAttrs(**CASES[4][1])
+    assert a.sinks == 1
+    fields = _fields("PagedAttention", a)
+    with_sinks = _inputs("PagedAttention", "bfloat16", a)
+    plain, sinks_plugin = registry["aot_impl"]["trtbuild::PagedAttention"], registry["aot_impl"][SINKS]
+    out = registry["register"][SINKS](*with_sinks, **fields)
+    with pytest.raises(ValueError, match=r"trtbuild::PagedAttention with sinks=1: .*complete_plugin_fields"):
+        plain(*with_sinks[:6], **fields, outputs=(out,), tactic=0)
+    with pytest.raises(ValueError, match=r"trtbuild::PagedAttentionSinks with sinks=0: attention with sinks is"):
+        sinks_plugin(*with_sinks, **{**fields, "sinks": 0}, outputs=(out,), tactic=0)
+    half = [*with_sinks[:6], trt_contract.TensorDesc([a.num_heads], trt.DataType.HALF)]
+    with pytest.raises(ValueError, match=r"sinks input of type DataType.HALF with 1 dims; expected FP32 \[num_heads\]"):
+        sinks_plugin(*half, **fields, outputs=(out,), tactic=0)
 
 
 def test_attrs_of_takes_the_op_fields_and_defaults_the_rest(registered: Any) -> None:
@@ -168,6 +196,20 @@ def test_launch_reads_the_kernel_modules(op: str) -> None:
         launch.kernel_name("Attention")
 
 
+def test_launch_with_sinks_passes_a_seventh_pointer() -> None:
+    """With sinks the kernel's parameters are the six inputs, the sink logits (*fp32), the scalars, the output;
+    the grid, block and scalars stay those of the attention without sinks."""
+    a = AttentionAttrs(**CASES[4][1])
+    plain = dataclasses.replace(a, sinks=0)
+    names = [n for n, _ in launch.parameters("PagedAttention", a, "bfloat16")]
+    plain_names = [n for n, _ in launch.parameters("PagedAttention", plain, "bfloat16")]
+    assert names == [*plain_names[:6], "sinks", *plain_names[6:]] and plain_names[6:] == [*common.SCALARS, "out"]
+    types_ = [t for _, t in launch.parameters("PagedAttention", a, "bfloat16")]
+    assert types_ == ["*bf16", "*i32", "*i32", "*i32", "*i32", "*u8", "*fp32", *["i32"] * 6, "*bf16"]
+    dims = (5, 3, 7, 11)
+    assert launch.describe("PagedAttention", a, dims, 0) == launch.describe("PagedAttention", plain, dims, 0)
+
+
 def test_check_ptx_refuses_an_entry_with_the_hidden_scratch_parameters() -> None:
     """PTX as Triton emits it (two trailing .u64 scratch pointers) is refused; stripped, it passes."""
     a = AttentionAttrs(**CASES[0][1])
@@ -181,6 +223,11 @@ def test_check_ptx_refuses_an_entry_with_the_hidden_scratch_parameters() -> None
     launch.check_ptx("PagedAttention", a, "float16", ptx(params))
     with pytest.raises(ValueError, match=r"strips Triton's hidden scratch parameters"):
         launch.check_ptx("PagedAttention", a, "float16", ptx([*params, ".u64", ".u64"]))
+    # with sinks TensorRT passes a seventh pointer: a six-input entry is refused, a seven-input one passes
+    sinks = dataclasses.replace(a, sinks=1)
+    with pytest.raises(ValueError, match=r"TensorRT will pass \((\.u64, ){7}\.u32"):
+        launch.check_ptx("PagedAttention", sinks, "float16", ptx(params))
+    launch.check_ptx("PagedAttention", sinks, "float16", ptx([".u64", *params]))
     with pytest.raises(ValueError, match=r"has no \.entry attention_kernel"):
         launch.check_ptx("PagedAttention", a, "float16", ptx(params).replace(name, "other"))
 
@@ -199,9 +246,10 @@ def _entry(ptx: str) -> tuple[str, list[str], int]:
 @pytest.mark.slow
 def test_aot_impl_on_compiled_ptx() -> None:
     """aot_impl's answer on real sm_90 PTX: the kernel name is the `.entry`; the entry's parameters are exactly the
-    6 input pointers (.u64), the extra args (.u32 / .s32), 1 output pointer, in that order; grid, block and shared
+    6 input pointers (.u64; 7 with sinks, through PagedAttentionSinks), the extra args (.u32 / .s32), 1 output
+    pointer, in that order; grid, block and shared
     memory are launch.py's and the compile's (block = .reqntid); the args are SymInt32 — the batch dims symbolic,
-    from the right input dims, layer and kv_scale's float bits constant. ~1.5 s per compile: 8 of them."""
+    from the right input dims, layer and kv_scale's float bits constant. ~1.5 s per compile: 10 of them."""
     cases = [
         {"op": op, "activation": act, "arch": "sm_90", "num_tokens": 7, "attrs": attrs}
         for act, attrs in CASES
@@ -221,10 +269,10 @@ def test_aot_impl_on_compiled_ptx() -> None:
         where = f"{op} {case['activation']} {a.kv_cache_dtype} hd{a.head_size}"
         name, types_, reqntid = _entry(r["ptx"])
         assert r["name"] == name == launch.kernel_name(op) == r["compiled"]["name"], where
-        n_args = len(r["args"])
-        assert len(types_) == 6 + n_args + 1, (where, types_)
-        assert types_[:6] == [".u64"] * 6 and types_[-1] == ".u64", (where, types_)
-        assert all(t in (".u32", ".s32") for t in types_[6:-1]), (where, types_)
+        n_args, n_in = len(r["args"]), 6 + (op == "PagedAttention" and a.sinks)
+        assert len(types_) == n_in + n_args + 1, (where, types_)
+        assert types_[:n_in] == [".u64"] * n_in and types_[-1] == ".u64", (where, types_)
+        assert all(t in (".u32", ".s32") for t in types_[n_in:-1]), (where, types_)
         assert r["block"] == [reqntid, 1, 1] == [launch.block_threads(op), 1, 1], where
         assert reqntid == 32 * r["compiled"]["num_warps"], where
         assert r["shared_mem"] == r["compiled"]["shared"], where

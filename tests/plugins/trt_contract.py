@@ -274,8 +274,9 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
 # --- the subprocess: aot_impl on PTX compiled here ------------------------------------------------------------------
 
 
-def input_descs(op: str, activation: str, pool: str, first_width: int) -> list[TensorDesc]:
-    """The op's six inputs with symbolic dims named after the input ("q.0"); the pool's trailing dims constant."""
+def input_descs(op: str, activation: str, pool: str, first_width: int, sink_heads: int = 0) -> list[TensorDesc]:
+    """The op's six inputs with symbolic dims named after the input ("q.0"); the pool's trailing dims constant.
+    With `sink_heads` (PagedAttentionSinks), a seventh: the sink logits, FP32 [sink_heads]."""
     first = "qkv" if op == "KVCacheWrite" else "q"
     names = [first, "position_ids", "context_lens", "new_lens", "block_tables", "kv_cache"]
     types_ = {"float32": "FLOAT", "float16": "HALF", "bfloat16": "BF16", "int8": "INT8", "fp8": "FP8"}
@@ -289,7 +290,17 @@ def input_descs(op: str, activation: str, pool: str, first_width: int) -> list[T
         elif n == "kv_cache":
             dtype = DataType[types_[pool]]
         out.append(TensorDesc(shape, dtype))
+    if sink_heads:
+        out.append(TensorDesc([sink_heads], DataType.FLOAT))
     return out
+
+
+def plugin_id(op: str, a: Any) -> str:
+    """The plugin TensorRT's parser meets for op's node: attention with sinks is PagedAttentionSinks
+    (engine/onnx_fields.complete_plugin_fields renames it)."""
+    from toolchain.engine.onnx_fields import SINKS_PLUGIN
+
+    return f"trtbuild::{SINKS_PLUGIN if op == 'PagedAttention' and a.sinks else op}"
 
 
 def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[str, Any]:
@@ -298,9 +309,10 @@ def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[s
     op, activation = case["op"], case["activation"]
     a = AttentionAttrs(**case["attrs"])
     width = (a.num_heads + 2 * a.num_kv_heads) * a.head_size if op == "KVCacheWrite" else a.num_heads * a.head_size
-    inputs = input_descs(op, activation, "fp8" if a.kv_cache_dtype == "fp8" else a.kv_cache_dtype, width)
+    sink_heads = a.num_heads if op == "PagedAttention" and a.sinks else 0
+    inputs = input_descs(op, activation, "fp8" if a.kv_cache_dtype == "fp8" else a.kv_cache_dtype, width, sink_heads)
     attrs = {k: v for k, v in asdict(a).items() if k in OP_FIELDS[op]}
-    out = registry["register"][f"trtbuild::{op}"](*inputs, **attrs)
+    out = registry["register"][plugin_id(op, a)](*inputs, **attrs)
     seen: dict[str, Any] = {}
 
     def compiled(op_: str, a_: Any, act_: str) -> Any:
@@ -310,7 +322,7 @@ def run_case(case: dict[str, Any], registry: dict[str, Any], reg: Any) -> dict[s
         return seen["kernel"]
 
     reg.compiled = compiled
-    name, ptx, params, args = registry["aot_impl"][f"trtbuild::{op}"](*inputs, **attrs, outputs=(out,), tactic=0)
+    name, ptx, params, args = registry["aot_impl"][plugin_id(op, a)](*inputs, **attrs, outputs=(out,), tactic=0)
     env = {"q.0": case["num_tokens"], "qkv.0": case["num_tokens"]}
 
     def show(v: Any) -> Any:

@@ -3,19 +3,25 @@ value (AttentionAttrs.to_attributes and OMITTED_AT, so that graphs not using it 
 `tensorrt.plugin` takes no default attribute values ("Default values are not supported yet", tensorrt/plugin/
 _validate.py) and TensorRT's parser only warns about a field a node lacks ("Attribute ... not found in plugin
 node"), then calls the registered functions without it. The TensorRT backend therefore parses a copy completed
-here, in memory; the graph on disk stays as built. The CPU backend needs none of this (from_attributes defaults)."""
+here, in memory; the graph on disk stays as built. The CPU backend needs none of this (from_attributes defaults).
+
+A `tensorrt.plugin` plugin has a fixed input list, so attention with sinks (a seventh input, gpt-oss) is a plugin of
+its own: in that copy its PagedAttention nodes are renamed SINKS_PLUGIN (tensorrt_registration.py registers both)."""
 
 from __future__ import annotations
 
 import onnx
 from onnx import helper
 
-from toolchain.engine.contract import PLUGIN_DOMAIN
+from toolchain.engine.contract import ATTENTION_OP, PLUGIN_DOMAIN
 from toolchain.engine.ops import OMITTED_AT, OP_FIELDS
+
+SINKS_PLUGIN = "PagedAttentionSinks"  # TensorRT's name of a PagedAttention node with sinks=1 (seven inputs)
 
 
 def complete_plugin_fields(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of `model` whose plugin nodes carry every field of their op, omitted ones at their OMITTED_AT value."""
+    """A copy of `model` whose plugin nodes carry every field of their op, omitted ones at their OMITTED_AT value,
+    and whose attention nodes with sinks are SINKS_PLUGIN nodes."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for node in out.graph.node:
@@ -25,4 +31,6 @@ def complete_plugin_fields(model: onnx.ModelProto) -> onnx.ModelProto:
         for name, value in OMITTED_AT.items():
             if name in OP_FIELDS[node.op_type] and name not in present:
                 node.attribute.append(helper.make_attribute(name, value))
+        if node.op_type == ATTENTION_OP and any(a.name == "sinks" and a.i for a in node.attribute):
+            node.op_type = SINKS_PLUGIN
     return out

@@ -343,6 +343,10 @@ def _variants() -> tuple[Variant, ...]:
         ),
         # gpt-oss-20b: YaRN rotary (head size 64, its attention factor), the clamped SwiGLU experts
         _variant("d64-yarn", "bfloat16", "bfloat16", num_heads=64, head_size=64, **_GPT_OSS_YARN),
+        # gpt-oss-20b's attention sinks (a seventh input, float32 per head) on its alternating layers: the
+        # 128-token window, and a full layer on an fp8 pool
+        _variant("d64-sinks-window128", "bfloat16", "bfloat16", **_GPT_OSS_ATTENTION, sliding_window=128, sinks=1),
+        _variant("d64-sinks", "bfloat16", "fp8", **_GPT_OSS_ATTENTION, sinks=1),
         *_moe_variants("gpt-oss", "bfloat16", _GPT_OSS_MOE),
     )
 
@@ -355,6 +359,7 @@ _GPT_OSS_YARN: dict[str, Any] = {
     "rotary_truncate": 0,
     "rotary_attention_factor": 0.1 * math.log(32.0) + 1.0,
 }
+_GPT_OSS_ATTENTION: dict[str, Any] = {"num_heads": 64, "head_size": 64, **_GPT_OSS_YARN}  # 8 KV heads: _STANDARD's
 _GPT_OSS_MOE = MoEAttrs(
     32, 4, 2880, 2880, "topk_softmax", use_bias=1, router_bias=1, swiglu_alpha=1.702, swiglu_beta=1.0, swiglu_limit=7.0
 )
@@ -363,7 +368,7 @@ _GPT_OSS_MOE = MoEAttrs(
 VARIANTS = _variants()
 """Every activation x pool TensorRT serves on a standard layer, and the shapes and options that take other code
 paths: head sizes 64, 96 (not a power of two) and 8, 16 and 64 tokens per block, sliding windows, rotary styles and
-scalings, MHA."""
+scalings, MHA, attention sinks."""
 
 
 @dataclass(frozen=True)

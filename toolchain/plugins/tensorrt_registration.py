@@ -12,7 +12,10 @@ the compile (toolchain/plugins/compile.py). Names, grids, blocks and scalars com
 KVCacheWrite writes the pool, an input, in place; the aliasing is not declared to TensorRT (it would take a
 second plugin output, so a graph and kernel-signature change): docs/kernels.md says why and what a GPU run must
 check first. A graph omits q_scaling at 1.0 (AttentionAttrs.to_attributes) and tensorrt.plugin has no default
-field values: TensorRT must parse the graph as engine/onnx_fields.complete_plugin_fields returns it.
+field values: TensorRT must parse the graph as engine/onnx_fields.complete_plugin_fields returns it. That copy also
+names a PagedAttention node with sinks=1 `PagedAttentionSinks` (onnx_fields.SINKS_PLUGIN): a plugin's inputs are
+fixed, and attention with sinks takes a seventh, the heads' float32 sink logits, which the kernel takes as its
+seventh pointer (after the pool, before the int32 scalars).
 
 Tested without TensorRT against the `tensorrt.plugin` contract (tests/plugins/test_registration.py); not yet run
 with TensorRT: no machine of this project has had it.
@@ -27,6 +30,7 @@ from typing import Any
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
+from toolchain.engine.onnx_fields import SINKS_PLUGIN
 from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
 from toolchain.manifest import gpu_info
 from toolchain.plugins import launch
@@ -54,14 +58,15 @@ def combinations() -> list[tuple[str, str]]:
     return [(act, pool) for act in common.ACTIVATIONS for pool in (act, "int8", "fp8")]
 
 
-def type_combination(activation: str, pool: str) -> str:
-    """An AutoTuneCombination string, one type per I/O in order: first input, 4 x int32, pool, the output."""
+def type_combination(activation: str, pool: str, sinks: bool = False) -> str:
+    """An AutoTuneCombination string, one type per I/O in order: first input, 4 x int32, pool, with sinks their
+    FP32 input, the output."""
     act, kv = TRT_TYPE_NAMES[activation], TRT_TYPE_NAMES[pool]
-    return f"{act}, INT32, INT32, INT32, INT32, {kv}, {act}"
+    return f"{act}, INT32, INT32, INT32, INT32, {kv}, {'FP32, ' if sinks else ''}{act}"
 
 
-def _tune() -> list[Any]:
-    return [trtp.AutoTuneCombination(type_combination(a, k), "LINEAR") for a, k in combinations()]
+def _tune(sinks: bool = False) -> list[Any]:
+    return [trtp.AutoTuneCombination(type_combination(a, k, sinks), "LINEAR") for a, k in combinations()]
 
 
 def attrs_of(op: str, values: dict[str, Any]) -> AttentionAttrs:
@@ -92,10 +97,25 @@ def _activation(desc: Any, what: str) -> str:
     return name
 
 
-def aot(op: str, first: Any, new_lens: Any, block_tables: Any, kv_cache: Any, values: dict[str, Any]) -> Any:
-    """aot_impl's answer for either op: (kernel name, PTX, KernelLaunchParams, SymIntExprs of the int32 scalars)."""
+def aot(
+    op: str, first: Any, new_lens: Any, block_tables: Any, kv_cache: Any, values: dict[str, Any], sinks: Any = None
+) -> Any:
+    """aot_impl's answer for either op: (kernel name, PTX, KernelLaunchParams, SymIntExprs of the int32 scalars).
+    `sinks`: the PagedAttentionSinks plugin's seventh input, there exactly when the node's sinks field is 1."""
     a = attrs_of(op, values)
     activation = _activation(first, f"{op} input 0")
+    if op == "PagedAttention" and bool(a.sinks) != (sinks is not None):
+        plugin = f"trtbuild::{SINKS_PLUGIN if sinks is not None else op}"
+        raise ValueError(
+            f"{plugin} with sinks={a.sinks}: attention with sinks is the seven-input {SINKS_PLUGIN} plugin, "
+            f"without them the six-input {op}; TensorRT must parse the graph as "
+            "engine/onnx_fields.complete_plugin_fields returns it"
+        )
+    if sinks is not None and (dtype_name(sinks.dtype) != "float32" or len(sinks.shape_expr) != 1):
+        raise ValueError(
+            f"{SINKS_PLUGIN}: sinks input of type {sinks.dtype} with {len(sinks.shape_expr)} dims; expected FP32 "
+            f"[num_heads] ({a.num_heads}), as engine/export.py writes it"
+        )
     if dtype_name(kv_cache.dtype) != a.kv_cache_dtype:  # the graph types the pool as kv_cache_dtype
         raise ValueError(
             f"{op}: kv_cache tensor of type {kv_cache.dtype} but kv_cache_dtype={a.kv_cache_dtype!r} needs "
@@ -253,3 +273,66 @@ def _attention_impl(
 ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
     values = dict(locals())
     return aot("PagedAttention", q, new_lens, block_tables, kv_cache, values)  # type: ignore[no-any-return]
+
+
+@trtp.register("trtbuild::PagedAttentionSinks")
+def _attention_sinks_desc(
+    q: trtp.TensorDesc,
+    position_ids: trtp.TensorDesc,
+    context_lens: trtp.TensorDesc,
+    new_lens: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
+    kv_cache: trtp.TensorDesc,
+    sink_logits: trtp.TensorDesc,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    tokens_per_block: int,
+    sliding_window: int,
+    kv_cache_dtype: str,
+    kv_scale: float,
+    q_scaling: float,
+    sinks: int,
+) -> trtp.TensorDesc:
+    return q.like()
+
+
+@trtp.autotune("trtbuild::PagedAttentionSinks")
+def _attention_sinks_tune(
+    q: trtp.TensorDesc,
+    position_ids: trtp.TensorDesc,
+    context_lens: trtp.TensorDesc,
+    new_lens: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
+    kv_cache: trtp.TensorDesc,
+    sink_logits: trtp.TensorDesc,
+    outputs: tuple[trtp.TensorDesc],
+) -> list[trtp.AutoTuneCombination]:
+    return _tune(sinks=True)
+
+
+@trtp.aot_impl("trtbuild::PagedAttentionSinks")
+def _attention_sinks_impl(
+    q: trtp.TensorDesc,
+    position_ids: trtp.TensorDesc,
+    context_lens: trtp.TensorDesc,
+    new_lens: trtp.TensorDesc,
+    block_tables: trtp.TensorDesc,
+    kv_cache: trtp.TensorDesc,
+    sink_logits: trtp.TensorDesc,
+    layer: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    tokens_per_block: int,
+    sliding_window: int,
+    kv_cache_dtype: str,
+    kv_scale: float,
+    q_scaling: float,
+    sinks: int,
+    outputs: tuple[trtp.TensorDesc],
+    tactic: int,
+) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
+    values = dict(locals())
+    return aot("PagedAttention", q, new_lens, block_tables, kv_cache, values, sink_logits)  # type: ignore[no-any-return]
