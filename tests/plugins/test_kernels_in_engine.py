@@ -72,3 +72,38 @@ def test_kernels_run_a_model_as_the_reference_ops_do(
     assert torch.equal(got_pool.isnan(), want_pool.isnan())
     written = ~want_pool.isnan()
     assert torch.allclose(got_pool[written], want_pool[written], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_kernels_run_gpt_oss_sinks_as_the_reference_ops_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gpt-oss's parity model (attention sinks on every layer, a 6-token window alternating with full layers, YaRN;
+    its MoE on the reference op) with both attention ops on the kernels, over the same three calls: fp32 logits
+    within 1e-4 of their scale (the MoE kernel's swap test's bound), the same top-1 and the same pool."""
+    from models import save_case
+
+    from toolchain.checkpoint.convert import convert
+
+    convert(save_case(tmp_path / "hf", "gpt-oss-every-feature"), tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(backend="onnxruntime", tokens_per_block=TPB))
+    engine = open_engine(tmp_path / "engine")
+    vocab = int(engine.spec.vocab_size)
+    want, want_pool = _session(engine, vocab)
+    _triton_ops(monkeypatch)
+    seen: list[tuple[int, int]] = []
+    kernel = ort_backend.OPS["PagedAttention"]
+
+    def attention_op(a: Any, *inputs: Any, memo: Any = None) -> Any:
+        seen.append((a.sinks, a.sliding_window))
+        return kernel(a, *inputs, memo=memo)
+
+    monkeypatch.setitem(ort_backend.OPS, "PagedAttention", attention_op)
+    got, got_pool = _session(engine, vocab)
+    assert {s for s, _ in seen} == {1} and {w > 0 for _, w in seen} == {True, False}  # sinks on both layer kinds
+    for i, (w, x) in enumerate(zip(want, got, strict=True)):
+        scale = float(np.abs(w).max())
+        assert np.abs(x - w).max() <= 1e-4 * scale, f"call {i}: max |diff| {np.abs(x - w).max():.3g}, scale {scale:.3g}"
+        assert (x.argmax(-1) == w.argmax(-1)).all(), f"call {i}: top-1 differs"
+        print(f"call {i}: max |diff| {np.abs(x - w).max():.3g}, scale {scale:.3g}")
+    assert torch.equal(got_pool.isnan(), want_pool.isnan())
+    written = ~want_pool.isnan()
+    assert torch.allclose(got_pool[written], want_pool[written], rtol=1e-5, atol=1e-6)
