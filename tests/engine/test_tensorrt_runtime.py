@@ -29,7 +29,8 @@ from toolchain.manifest import StageRecord
 
 H200 = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
 VOCAB, TPB, BLOCKS = 11, 4, 8
-PLUGINS = {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention"}
+# every plugin the registration registers; attention with sinks (a seventh input) is a plugin of its own
+PLUGINS = {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention", "trtbuild::PagedAttentionSinks"}
 
 
 def write_engine_dir(path: Path) -> Path:
