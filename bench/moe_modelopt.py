@@ -109,9 +109,8 @@ def run_modelopt(
     cmd = [python, str(Path(__file__).resolve()), "--worker", str(hf), str(work)]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     results = json.loads((work / "result.json").read_text()) if (work / "result.json").is_file() else {}
-    crashed = _first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "") or (
-        f"ModelOpt worker exited {done.returncode}"
-    )
+    said = done.stderr.strip().splitlines()
+    crashed = f"ModelOpt worker exited {done.returncode}" + (f": {said[-1].strip()[:300]}" if said else "")
     return {j["name"]: results.get(j["name"], {"fake_quant": crashed}) for j in jobs}
 
 
