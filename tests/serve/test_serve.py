@@ -337,15 +337,31 @@ async def _stream_all(server: Running, prompts: list[str], new: int) -> list[tup
 def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(server: Running) -> None:
     before = server.metrics()
     body = {**greedy(MAX_SEQ_LEN - 16), "prompt": "disconnect me", "stream": True}
-    with (
-        httpx.Client(timeout=TIMEOUT) as http,
-        http.stream("POST", f"{server.url}/v1/completions", json=body) as response,
-    ):
-        assert response.status_code == 200
-        for n, _ in enumerate(sse_events(response.iter_lines()), 1):
-            if n == 2:
-                break
-        assert server.state.llm.runtime.blocks.num_used > 0  # still generating when the client leaves
+    # The engine loop is held after its third step (two tokens sent, the third not yet) until the client has left:
+    # on a loaded machine a free-running loop can finish the whole request before the client reads two events.
+    llm, observe, steps, release = server.state.llm, server.state.llm.on_step, [0], threading.Event()
+
+    def held(rt: Any) -> None:
+        if observe is not None:
+            observe(rt)
+        steps[0] += 1
+        if steps[0] == 3:
+            release.wait(TIMEOUT)
+
+    llm.on_step = held
+    try:
+        with (
+            httpx.Client(timeout=TIMEOUT) as http,
+            http.stream("POST", f"{server.url}/v1/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            for n, _ in enumerate(sse_events(response.iter_lines()), 1):
+                if n == 2:
+                    break
+            assert server.state.llm.runtime.blocks.num_used > 0  # still generating when the client leaves
+    finally:
+        release.set()
+        llm.on_step = observe
 
     def freed() -> bool:
         text = server.metrics()
