@@ -448,3 +448,32 @@ def test_smoothquant_experts_engine_against_fake_quant_and_float(
     quant_kld = _kld(floats, e).mean().item()
     assert quant_kld > 0 and _kld(e, g).mean().item() < 0.1 * quant_kld
     assert (g.argmax(-1) == e.argmax(-1)).double().mean() >= 0.95
+
+
+@pytest.mark.slow
+def test_the_triton_kernel_runs_awq_experts_as_the_reference_op_does(
+    searched: Callable[[str], tuple[Path, dict[str, Any], OrtEngine]],
+    held_out: tuple[list[list[int]], torch.Tensor, torch.Tensor],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The AWQ experts' CPU engine with its MoE op swapped for the Triton kernel (the interpreter), its prequant
+    inputs applied to the A tiles: fp32 logits within 1e-4 of their scale of the engine on the reference op, the
+    same top-1 (tests/plugins/test_kernel_moe.py's model-level bound)."""
+    from toolchain.engine import ort_backend
+    from toolchain.engine.ops import MOE_OP
+    from toolchain.plugins.kernels import moe as kernel
+
+    _, _, engine = searched("w4a16_awq")
+    ids = held_out[0][0]
+    want = run_alone(engine, ids)
+    calls: list[MoEAttrs] = []
+
+    def swapped(a: MoEAttrs, *inputs: torch.Tensor, memo: object = None) -> torch.Tensor:
+        calls.append(a)
+        return kernel.moe(a, *inputs)
+
+    monkeypatch.setitem(ort_backend.OPS, MOE_OP, swapped)
+    got = run_alone(engine, ids)
+    assert calls and all(a.prequant for a in calls)
+    scale = float(abs(want).max())
+    assert abs(got - want).max() <= 1e-4 * scale and (got.argmax(-1) == want.argmax(-1)).all()

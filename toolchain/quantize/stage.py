@@ -283,7 +283,7 @@ def quantize_checkpoint(
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
     spec = spec_of(cfg)
-    if any(isinstance(ls.ffn, ExpertsFFN) for ls in spec.layers):  # weight-only methods quantize experts
+    if any(isinstance(ls.ffn, ExpertsFFN) for ls in spec.layers):  # a method experts.py does not know: refused now
         experts.check_method(qm, next(p for p in quantizable(spec) if p.endswith(".mlp.fc")))
     if opts.needs_calibration:
         check_ffns(spec, "quantization")
