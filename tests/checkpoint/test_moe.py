@@ -25,7 +25,6 @@ from toolchain.checkpoint.sharding import Rule, shard
 from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
-from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.reference.model import ReferenceModel
 
 # Qwen3-MoE with a dense layer among sparse ones (mlp_only_layers [1]: layers 0 and 2 sparse), renormalised top-3.
@@ -227,18 +226,16 @@ def test_a_checkpoint_config_with_a_moe_value_we_do_not_implement_is_refused(
 
 
 def test_what_does_not_run_experts_yet_says_so(converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
-    """Tensor parallelism and the calibrated quantization of experts are later slices: refused in one line naming
-    what runs."""
+    """Tensor parallelism of experts is a later slice: refused in one line naming what runs. (Every quantization
+    method quantizes experts now; a method that does not is refused by experts.check_method: test_moe_quant.py.)"""
     hf, ckpt = converted["mixtral"]
     what_runs = r"convert \(tp=1\), the reference forward and the CPU engine run routed experts \(gpt-oss's included\)"
     with pytest.raises(UserError, match=r"--tp 2, layer 0: mixture-of-experts layers \(8 experts, top 2\) are not "
                        r"supported here yet \(issue 26\): " + what_runs):  # fmt: skip
         convert(hf, tmp_path / "tp2", tp=2)
-    with pytest.raises(UserError, match=r"w8a16, w4a16 and fp8 only, not 'w4a16_awq'; choose --method w8a16, w4a16"):
-        quantize_checkpoint(ckpt, tmp_path / "q", QuantizeOptions("w4a16_awq"))  # the others: test_moe_quant.py
     with pytest.raises(UserError, match=r"tensor parallelism \(tp=2\) of mixture-of-experts tensors"):
         shard(torch.zeros(8, 4, 4), "experts", read_config(ckpt), 2, 0)
-    assert not (tmp_path / "tp2").exists() and not (tmp_path / "q").exists()
+    assert not (tmp_path / "tp2").exists()
 
 
 def test_convert_holds_one_expert_s_source_at_a_time(converted: dict[str, tuple[Path, Path]]) -> None:

@@ -3,9 +3,9 @@ reference op `ops.moe` on the same inputs.
 
 Activations fp32 / fp16 / bf16; experts 1 to 9, top_k 1 to E; hidden and intermediate sizes that are not powers of
 two and pass one 64-column tile; gated and plain experts, silu / gelu / relu, biases, a router bias, every router
-norm; one token; an expert no token chose, its weights all NaN (its programs must not read them). The truth is the
-reference op in float64 (same routing: the router reads x in float32 either way); the tolerance is a bound
-derived from the dtype's unit roundoff (`bound`)."""
+norm; per-expert prequant vectors (AWQ / SmoothQuant experts); one token; an expert no token chose, its weights
+all NaN (its programs must not read them). The truth is the reference op in float64 (same routing: the router
+reads x in float32 either way); the tolerance is a bound derived from the dtype's unit roundoff (`bound`)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,7 @@ class Case(NamedTuple):
     router_bias: int = 0
     norm: str = "softmax_topk"
     swiglu: tuple[float, float, float] = (1.0, 0.0, 0.0)  # gpt-oss's (alpha, beta, limit); these: plain silu
+    prequant: int = 0  # AWQ / SmoothQuant experts: each expert's 1/s multiplies its A tile (fc's x, proj's h)
 
 
 # Not the cross product: every value of every axis appears, each kernel path at least once.
@@ -58,6 +59,10 @@ CASES = [
     # gpt-oss: the clamped SwiGLU with a limit the O(1) pre-activations cross, biases, router bias, topk_softmax
     Case("float32", 4, 2, 24, 40, 5, bias=1, router_bias=1, norm="topk_softmax", swiglu=(1.702, 1.0, 0.5)),
     Case("float16", 6, 3, 32, 48, 17, bias=1, router_bias=1, norm="topk_softmax", swiglu=(1.702, 1.0, 0.5)),
+    # AWQ / SmoothQuant experts: the per-expert prequant vectors on the A tiles, each dtype, two M tiles, biases
+    Case("float32", 4, 2, 24, 40, 5, prequant=1),
+    Case("float16", 6, 3, 32, 48, 17, bias=1, router_bias=1, prequant=1),
+    Case("bfloat16", 9, 2, 80, 36, 6, gated=0, act="gelu", prequant=1),
 ]
 
 
@@ -68,12 +73,13 @@ class Inputs(NamedTuple):
     fc: torch.Tensor
     proj: torch.Tensor
     biases: tuple[torch.Tensor, ...]
+    prequant: tuple[torch.Tensor, ...] = ()  # fc's [E, hidden] and proj's [E, inter] 1/s (float32), when prequant
 
 
 def make(case: Case, seed: int) -> Inputs:
     a = MoEAttrs(
         case.experts, case.top_k, case.hidden, case.inter, case.norm, case.act, case.gated, case.bias, case.router_bias,
-        *case.swiglu,
+        *case.swiglu, prequant=case.prequant,
     )  # fmt: skip
     gen, dtype, e, h, i = seeded.generator(seed), DTYPES[case.activation], case.experts, case.hidden, case.inter
     x = seeded.normal((case.tokens, h), gen, dtype=dtype)
@@ -85,12 +91,15 @@ def make(case: Case, seed: int) -> Inputs:
         biases += [seeded.normal((e, a.fc_rows), gen, std=0.5, dtype=dtype), seeded.normal((e, h), gen, dtype=dtype)]
     if case.router_bias:
         biases.append(seeded.normal((e,), gen, std=0.5))
-    return Inputs(a, x, router, fc, proj, tuple(biases))
+    # 1/s in [0.5, 1.5): AWQ's and SmoothQuant's scales are centred near 1
+    prequant = tuple(seeded.normal((e, n), gen, std=0.25).abs() + 0.5 for n in (h, i)) if case.prequant else ()
+    return Inputs(a, x, router, fc, proj, tuple(biases), prequant)
 
 
 def truth(x: Inputs) -> torch.Tensor:
     """The reference op in float64 on the same values (the routing is the same: route reads x.float())."""
-    return reference(x.attrs, x.x.double(), x.router, x.fc.double(), x.proj.double(), *(b.double() for b in x.biases))
+    wide = (t.double() for t in (*x.biases, *x.prequant))
+    return reference(x.attrs, x.x.double(), x.router, x.fc.double(), x.proj.double(), *wide)
 
 
 def bound(x: Inputs) -> torch.Tensor:
@@ -98,7 +107,8 @@ def bound(x: Inputs) -> torch.Tensor:
     (|fl(sum of n products) - exact| <= n u sum|products|, u = 2**-24 for the fp32 accumulators; rounding to the
     dtype: u of the dtype times the value): the fc GEMM's errors in up and gate, through up * act(gate) (|act'| <=
     SLOPE), plus h rounded to the dtype; through the proj GEMM with its own accumulation error; the weighted sum
-    over top_k in fp32; y rounded to the dtype."""
+    over top_k in fp32; y rounded to the dtype. With prequant, each A element times its 1/s is rounded to the dtype
+    once more before its GEMM (x·p and h·p: u of the dtype times |x·p|, |h·p|)."""
     a, u, u32 = x.attrs, UNIT[x.x.dtype], 2.0**-24
     weights, experts = route(a, x.x, x.router, x.biases[-1] if a.router_bias else None)
     act = ACTIVATIONS[a.activation]
@@ -109,9 +119,12 @@ def bound(x: Inputs) -> torch.Tensor:
         for j in range(a.top_k):
             e, w = int(experts[t, j]), float(weights[t, j])
             fc, proj = x.fc[e].double(), x.proj[e].double()
-            pre = fc @ xs[t] + (0 if fc_bias is None else fc_bias[e])
-            mag = fc.abs() @ xs[t].abs() + (0 if fc_bias is None else fc_bias[e].abs())
+            xt = xs[t] * x.prequant[0][e].double() if a.prequant else xs[t]
+            pre = fc @ xt + (0 if fc_bias is None else fc_bias[e])
+            mag = fc.abs() @ xt.abs() + (0 if fc_bias is None else fc_bias[e].abs())
             err_pre = (a.expert_hidden_size + 1) * u32 * mag  # + 1: the bias add
+            if a.prequant:  # x·p rounded to the dtype
+                err_pre = err_pre + u * fc.abs() @ xt.abs()
             if a.gated:
                 up, gate = pre.chunk(2)
                 err_up, err_gate = err_pre.chunk(2)
@@ -127,6 +140,10 @@ def bound(x: Inputs) -> torch.Tensor:
             else:
                 h, err_h = act(pre), SLOPE * err_pre
             err_h = err_h + u * (h.abs() + err_h)  # stored in the dtype
+            if a.prequant:  # h·p, rounded to the dtype again
+                p = x.prequant[1][e].double()
+                h, err_h = h * p, err_h * p
+                err_h = err_h + u * (h.abs() + err_h)
             y_mag = proj.abs() @ (h.abs() + err_h) + (0 if proj_bias is None else proj_bias[e].abs())
             err_y = proj.abs() @ err_h + (a.expert_inter_size + 2) * u32 * y_mag  # + 2: bias, router weight
             total[t] += w * (err_y + a.top_k * u32 * y_mag)  # the fp32 sum over top_k
@@ -134,7 +151,7 @@ def bound(x: Inputs) -> torch.Tensor:
 
 
 def run(x: Inputs) -> torch.Tensor:
-    return kernel.moe(x.attrs, x.x, x.router, x.fc, x.proj, *x.biases)
+    return kernel.moe(x.attrs, x.x, x.router, x.fc, x.proj, *x.biases, *x.prequant)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c.activation}-E{c.experts}k{c.top_k}-{c.hidden}x{c.inter}")
@@ -145,7 +162,7 @@ def test_the_kernel_computes_the_reference_op(case: Case) -> None:
     err = (got.double() - want).abs()
     assert torch.isfinite(got).all() and (err <= tol).all(), (err.max().item(), (err / tol).max().item())
     # the float32 reference op too: the engine's own output, within the same bound doubled (both are off the truth)
-    ref = reference(x.attrs, x.x, x.router, x.fc, x.proj, *x.biases).double()
+    ref = reference(x.attrs, x.x, x.router, x.fc, x.proj, *x.biases, *x.prequant).double()
     assert ((got.double() - ref).abs() <= 2 * tol).all()
 
 
@@ -186,6 +203,9 @@ def test_refusals_name_the_value() -> None:
     x = make(Case("float32", 4, 2, 16, 16, 1), seed=0)
     with pytest.raises(ValueError, match="MoE: 1 bias inputs, expected 0"):
         kernel.moe(x.attrs, x.x, x.router, x.fc, x.proj, x.router[0])
+    sq = MoEAttrs(4, 2, 16, 16, int8_inputs=1, prequant=1)
+    with pytest.raises(ValueError, match="int8_inputs 1: the kernel has no input quantization yet"):
+        kernel.moe(sq, x.x, x.router, x.fc, x.proj, *[x.router[0]] * 2, x.fc[:, 0], x.proj[:, 0])
 
 
 @pytest.mark.slow

@@ -188,9 +188,9 @@ def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
     return UserError(
         f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
         "yet (issue 26): convert (tp=1), the reference forward and the CPU engine run routed experts (gpt-oss's "
-        "included), w8a16 / w4a16 / fp8 quantize them; shared experts, AWQ and SmoothQuant of experts, tensor or "
-        "expert parallelism and the TensorRT backend do not. Use a tp=1 checkpoint, float or w8a16 / w4a16 / fp8, on "
-        "the onnxruntime backend, or a dense model"
+        "included), every quantize method quantizes them (AWQ, SmoothQuant and fp8 with routed calibration); shared "
+        "experts, tensor or expert parallelism and the TensorRT backend do not. Use a tp=1 checkpoint on the "
+        "onnxruntime backend, or a dense model"
     )
 
 

@@ -29,7 +29,7 @@ from toolchain.engine.geometry import kv_block_shape
 from toolchain.engine.ops import MOE_OP, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
 from toolchain.quantize import experts
-from toolchain.quantize.methods.base import ACTIVATION_SCALE, Context, quantized
+from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, Context, quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
 from toolchain.reference.rope import attention_factor
@@ -344,13 +344,14 @@ class _Exporter:
             shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
         if ffn.router_bias:
             shapes[f"{p}.router.bias"] = (e,)
-        inputs, input_scales = [x], []
+        inputs, input_scales, prequants = [x], [], []
         for name, shape in shapes.items():
             prefix = name.removesuffix(".weight")
             if name.endswith(".weight") and quantized(prefix, w):  # per expert (quantize/experts.py)
-                weight, scale = self._quantized_experts(prefix, shape)
+                weight, scale, prequant = self._quantized_experts(prefix, shape)
                 inputs.append(weight)
                 input_scales += [scale] if scale else []
+                prequants += [prequant] if prequant else []
                 continue
             tensor = w[name]
             if tuple(tensor.shape) != shape:
@@ -360,11 +361,23 @@ class _Exporter:
                 )
             router = name in (f"{p}.router.weight", f"{p}.router.bias")
             inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
-        if input_scales:  # fp8 experts: fc's and proj's per-expert input scales, both or neither
+        if input_scales:  # fp8 / w8a8_sq experts: fc's and proj's per-expert input scales, both or neither
             if len(input_scales) != 2:
-                raise UserError(f"{self.source}: {p}: fp8 experts need both fc and proj quantized; re-run quantize")
-            a = dataclasses.replace(a, fp8_inputs=1)
+                raise UserError(
+                    f"{self.source}: {p}: {self.method and self.method.name} experts need both fc and proj "
+                    "quantized; re-run quantize"
+                )
+            fp8 = bool(self.method and self.method.activation_kind == "FP8")
+            a = dataclasses.replace(a, fp8_inputs=int(fp8), int8_inputs=int(not fp8))
             inputs += input_scales
+        if prequants:  # AWQ / SmoothQuant experts: fc's and proj's per-expert 1/s, both or neither
+            if len(prequants) != 2:
+                raise UserError(
+                    f"{self.source}: {p}: {self.method and self.method.name} experts need both fc and proj "
+                    "quantized; re-run quantize"
+                )
+            a = dataclasses.replace(a, prequant=1)
+            inputs += prequants
         out = f"{layer}.mlp.out"
         b.nodes.append(
             helper.make_node(
@@ -374,10 +387,11 @@ class _Exporter:
         b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, ["num_tokens", h]))
         return out
 
-    def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> tuple[str, str | None]:
+    def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> tuple[str, str | None, str | None]:
         """A stacked experts' weight stored quantized: its codes and scales checked against the shapes the quantize
         stage makes for `shape`, dequantized in the graph, cast to the engine dtype as a dense linear's weight; with
-        it, fp8's per-expert input scales [E] in the engine dtype (None for a weight-only method)."""
+        it, fp8's / w8a8_sq's per-expert input scales [E] in the engine dtype (else None) and AWQ's / SmoothQuant's
+        per-expert 1/s [E, in] float32 whatever the engine dtype, as stored (else None)."""
         b = self.b
         method, linear = stored(self.method, self.cfg, self.spec, self.w, prefix)
         ctx = Context(group_size=linear.group_size)
@@ -388,11 +402,12 @@ class _Exporter:
                     f"{shape[1:]} need {info.shape} ({method.name}, group size {ctx.group_size}); re-run quantize"
                 )
         dq = experts.export(method, b, linear)
-        act = experts.activation_scales(method, linear)
+        act, pre = experts.activation_scales(method, linear), experts.prequant_scales(method, linear)
         scale = None if act is None else b.float_const(f"{prefix}.{ACTIVATION_SCALE}", act)
+        prequant = None if pre is None else b.const(f"{prefix}.{PREQUANT}", pre)
         if b.onnx_dtype == TensorProto.FLOAT:
-            return dq, scale
-        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype), scale
+            return dq, scale, prequant
+        return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype), scale, prequant
 
     def graph(self) -> onnx.ModelProto:
         c, spec, b = self.cfg, self.spec, self.b

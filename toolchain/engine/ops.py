@@ -38,6 +38,11 @@ MoE
   those names, tensorrt_llm/layers/moe.py; our swiglu_limit 0 is its None); router_norm, activation
   (spec.ACTIVATIONS), gated and router_bias are ours (TensorRT-LLM folds gating into activation_type, swiglu / geglu,
   and its normalization_mode enum has no plain softmax-then-top-k without renormalising).
+  Quantized experts (docs/quantization.md): the weights arrive dequantized (DequantizeLinear before the node); then,
+  when fp8_inputs or int8_inputs, fc_input_scale and proj_input_scale [E] follow the biases (each expert's routed
+  rows quantize-dequantized at its own static scale before its fc and its proj GEMM), and, when prequant,
+  fc_prequant [E, hidden] and proj_prequant [E, inter] float32 after them (each expert's rows multiplied by its own
+  1/s first: AWQ and SmoothQuant experts).
 """
 
 from __future__ import annotations
@@ -150,6 +155,8 @@ OP_FIELDS = {
 OMITTED_AT: dict[str, Any] = {
     "q_scaling": 1.0,
     "fp8_inputs": 0,
+    "int8_inputs": 0,
+    "prequant": 0,
     "sinks": 0,
     "rotary_beta_fast": 32.0,
     "rotary_beta_slow": 1.0,
@@ -466,6 +473,13 @@ class MoEAttrs:
     swiglu_limit: float = 0.0
     fp8_inputs: int = 0  # fc_input_scale and proj_input_scale inputs [E] (fp8 experts): each expert's routed rows
     # quantize-dequantized to E4M3 at its own static scale before its fc and its proj GEMM
+    int8_inputs: int = 0  # the same two input scales [E] (w8a8_sq experts), the rows quantize-dequantized to int8
+    # (round half to even, saturated to [-128, 127], as ONNX QuantizeLinear) instead of E4M3
+    # fc_prequant [E, hidden] and proj_prequant [E, inter] float32 inputs after the input scales (AWQ / SmoothQuant
+    # experts): each expert's routed rows multiplied by its own 1/s before the input quantization and the GEMM, as
+    # TensorRT-LLM's `prequant_scaling_factor` (its MoE shares one (1, in_features) across the experts,
+    # tensorrt_llm/layers/moe.py `MOEWeightWrapper`; ours is per expert: quantize/experts.py)
+    prequant: int = 0
 
     def __post_init__(self) -> None:
         for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
@@ -478,9 +492,11 @@ class MoEAttrs:
             raise ValueError(f"MoE router_norm {self.router_norm!r}: expected one of {', '.join(ROUTER_NORMS)}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoE activation {self.activation!r}: expected one of {', '.join(ACTIVATIONS)}")
-        for name in ("gated", "use_bias", "router_bias", "fp8_inputs"):
+        for name in ("gated", "use_bias", "router_bias", "fp8_inputs", "int8_inputs", "prequant"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"MoE {name} {getattr(self, name)!r}: expected 0 or 1")
+        if self.fp8_inputs and self.int8_inputs:
+            raise ValueError("MoE fp8_inputs and int8_inputs are both 1: expected at most one input quantization")
         if not (self.swiglu_alpha > 0 and self.swiglu_limit >= 0 and math.isfinite(self.swiglu_beta)):
             raise ValueError(
                 f"MoE swiglu_alpha {self.swiglu_alpha!r}, swiglu_beta {self.swiglu_beta!r}, swiglu_limit "
@@ -538,9 +554,12 @@ def route(
     return top, experts
 
 
-def _fp8_qdq(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x quantized to E4M3 at a static scale (saturated at ±448, as ONNX QuantizeLinear's saturate=1) and back."""
+def _qdq(x: torch.Tensor, scale: torch.Tensor, a: MoEAttrs) -> torch.Tensor:
+    """x quantized at a static scale and back: to E4M3 (fp8_inputs; saturated at ±448, as ONNX QuantizeLinear's
+    saturate=1) or to int8 (int8_inputs; round half to even, saturated to [-128, 127], as QuantizeLinear)."""
     s = scale.to(x.dtype)
+    if a.int8_inputs:
+        return torch.round(x / s).clamp(-128, 127) * s
     return (x / s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(x.dtype) * s
 
 
@@ -559,16 +578,23 @@ def moe(
     GEMM through proj, scaled by their router weights and scatter-added back; an expert no token chose costs
     nothing. In float32 (float64 for float64 x). `memo` is unused (the routing differs per layer).
     fp8_inputs (fp8 experts): two more inputs after the biases, fc_input_scale and proj_input_scale [E]; each
-    expert's rows are quantize-dequantized to E4M3 at its own scale before its fc and before its proj GEMM."""
+    expert's rows are quantize-dequantized to E4M3 at its own scale before its fc and before its proj GEMM;
+    int8_inputs (w8a8_sq experts) the same to int8. prequant (AWQ / SmoothQuant experts): two more inputs after
+    those, fc_prequant [E, hidden] and proj_prequant [E, inter]; each expert's rows multiplied by its own row of
+    them first."""
     del memo
-    extra = 2 * a.use_bias + a.router_bias + 2 * a.fp8_inputs
+    quantized_inputs = a.fp8_inputs or a.int8_inputs
+    extra = 2 * a.use_bias + a.router_bias + 2 * quantized_inputs + 2 * a.prequant
     if len(biases) != extra:
         raise ValueError(
             f"MoE: {len(biases)} bias inputs, expected {extra} (use_bias {a.use_bias}, router_bias "
-            f"{a.router_bias}, fp8_inputs {a.fp8_inputs}: its two input scales counted with them)"
+            f"{a.router_bias}, fp8_inputs {a.fp8_inputs}, int8_inputs {a.int8_inputs}, prequant {a.prequant}: "
+            "two input scales, two prequant inputs counted with them)"
         )
-    scales = biases[len(biases) - 2 :] if a.fp8_inputs else None
-    biases = biases[: len(biases) - 2] if a.fp8_inputs else biases
+    prequant = biases[len(biases) - 2 :] if a.prequant else None
+    biases = biases[: len(biases) - 2] if a.prequant else biases
+    scales = biases[len(biases) - 2 :] if quantized_inputs else None
+    biases = biases[: len(biases) - 2] if quantized_inputs else biases
     fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
     router_bias = biases[-1] if a.router_bias else None
     t, e, k, inter = x.shape[0], a.number_of_experts, a.top_k, a.expert_inter_size
@@ -578,6 +604,11 @@ def moe(
         "fc_weight": (fc_weight, (e, a.fc_rows, a.expert_hidden_size)),
         "proj_weight": (proj_weight, (e, a.expert_hidden_size, inter)),
     }
+    if prequant is not None:
+        expected |= {
+            "fc_prequant": (prequant[0], (e, a.expert_hidden_size)),
+            "proj_prequant": (prequant[1], (e, inter)),
+        }
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
             raise ValueError(f"MoE {name} {tuple(tensor.shape)}: expected {shape} from the op's attributes")
@@ -596,7 +627,8 @@ def moe(
         if n == 0:
             continue
         rows = tokens[start : start + n]
-        xe = xc[rows] if scales is None else _fp8_qdq(xc[rows], scales[0][expert])
+        xe = xc[rows] if prequant is None else xc[rows] * prequant[0][expert].to(compute)
+        xe = xe if scales is None else _qdq(xe, scales[0][expert], a)
         h = torch.nn.functional.linear(
             xe, fc_weight[expert].to(compute), None if fc_bias is None else fc_bias[expert].to(compute)
         )
@@ -611,8 +643,10 @@ def moe(
             h = up * act(gate)
         else:
             h = act(h)
+        if prequant is not None:
+            h = h * prequant[1][expert].to(compute)
         if scales is not None:
-            h = _fp8_qdq(h, scales[1][expert])
+            h = _qdq(h, scales[1][expert], a)
         y = torch.nn.functional.linear(
             h, proj_weight[expert].to(compute), None if proj_bias is None else proj_bias[expert].to(compute)
         )

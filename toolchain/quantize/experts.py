@@ -16,17 +16,37 @@ scale for its fc input and its proj input from the ROUTED calibration maxima (ca
 routed to it; the layer's maximum for an expert routed fewer than MIN_EXPERT_TOKENS): weight float8_e4m3fn
 [E, out, in], weights_scaling_factor and activation_scaling_factor float32 [E, 1]. The MoE op quantize-dequantizes
 each expert's routed rows at its activation scale before the GEMM, as the dense FP8 graph does a linear's input.
+
+AWQ (`w4a16_awq`) and SmoothQuant (`w8a8_sq`) search each expert on the rows routed to it (calibrate.RoutedStats:
+a bounded sample of them, its activation means / channel maxima; an expert routed fewer than MIN_EXPERT_TOKENS
+searches on the layer's routed rows and statistics instead): AWQ the dense scale then clip search (awq.py) on the
+expert's [out, in] slice — fc's [up; gate] share one s, as they read one input — stored as W4A16's layout of W·s;
+SmoothQuant the dense α (fixed, or searched on the routed rows with --sq-alpha auto) and s from the expert's routed
+channel maxima, int8 per output channel of W·s and a static per-tensor int8 activation scale from the routed maximum
+of x/s (the dense method's scheme). Either way the expert's 1/s is PREFIX.prequant_scaling_factor float32 [E, in],
+which the MoE op multiplies each expert's routed rows by before its GEMM (SmoothQuant then quantize-dequantizes them
+to int8 at the expert's own scale): no norm sits between the router's choice and an expert, so neither method can
+fold an expert's 1/s into one. TensorRT-LLM's MoE (`MOEWeightWrapper`, tensorrt_llm/layers/moe.py) gives group-wise
+(AWQ) experts one `prequant_scaling_factor` of shape (1, in_features) in the activation dtype, shared by every
+expert of the stacked linear; ours is per expert, the point of routed calibration, and float32 (as the router), so a
+writer for its layout would have to re-scale each expert's weights to one shared s.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.errors import UserError
-from toolchain.quantize.core import FP8_E4M3_MAX, int4_proto, quantize_fp8, unpack_int4
+from toolchain.quantize.awq import AwqChoice, quantize_awq, search_group
+from toolchain.quantize.calibrate import RoutedStats
+from toolchain.quantize.core import FP8_E4M3_MAX, int4_proto, pack_int4, quantize_fp8, quantize_per_channel, unpack_int4
 from toolchain.quantize.methods.base import (
     ACTIVATION_SCALE,
+    PREQUANT,
     WEIGHT,
     WEIGHT_SCALE,
     Context,
@@ -35,9 +55,27 @@ from toolchain.quantize.methods.base import (
     Stored,
 )
 from toolchain.quantize.methods.fp8 import FP8
-from toolchain.quantize.methods.w4a16 import GroupwiseInt4
-from toolchain.quantize.methods.w8a8_sq import activation_scale
+from toolchain.quantize.methods.w4a16 import GroupwiseInt4, _check_even
+from toolchain.quantize.methods.w4a16_awq import W4A16Awq
+from toolchain.quantize.methods.w8a8_sq import W8A8SQ, activation_scale
 from toolchain.quantize.methods.w8a16 import PerChannelInt8
+from toolchain.quantize.smoothquant import AlphaChoice, search_alpha, smoothing_scales
+
+PREQUANT_DTYPE = torch.float32  # an expert's 1/s, as stored and as the MoE op multiplies by it (module docstring)
+SEARCHED = (W4A16Awq, W8A8SQ)  # the methods that search each expert on its routed rows
+
+
+@dataclass(frozen=True)
+class ExpertChoices:
+    """What the per-expert searches chose for one stacked linear (the manifest's entry for it): each field of the
+    dense method's per-linear summary as a list over the experts, and the experts that searched on the layer's rows."""
+
+    choices: tuple[AwqChoice | AlphaChoice, ...]
+    fell_back: tuple[int, ...]
+
+    def summary(self) -> dict[str, Any]:
+        per = [c.summary() for c in self.choices]
+        return {**{k: [p[k] for p in per] for k in per[0]}, "fell_back": list(self.fell_back)}
 
 
 def stacked(shape: tuple[int, ...]) -> bool:
@@ -46,37 +84,110 @@ def stacked(shape: tuple[int, ...]) -> bool:
 
 
 def check_method(qm: QuantMethod, prefix: str) -> None:
-    if not ((isinstance(qm, PerChannelInt8 | GroupwiseInt4) and qm.streamable) or type(qm) is FP8):
+    known = (isinstance(qm, PerChannelInt8 | GroupwiseInt4) and qm.streamable) or type(qm) in (FP8, *SEARCHED)
+    if not known:
         raise UserError(
-            f"{prefix}: stacked experts are quantized by w8a16, w4a16 and fp8 only, not {qm.name!r}; choose "
-            "--method w8a16, w4a16 or fp8 for a mixture-of-experts model"
+            f"{prefix}: stacked experts are quantized by w8a16, w4a16, fp8, w4a16_awq and w8a8_sq only, not "
+            f"{qm.name!r}; choose one of those --method values for a mixture-of-experts model"
         )
 
 
 def plan(qm: QuantMethod, prefix: str, shape: tuple[int, ...], ctx: Context) -> dict[str, TensorInfo]:
-    """The tensors `quantize` makes of PREFIX.weight [E, out, in]: the dense method's per expert, stacked."""
+    """The tensors `quantize` makes of PREFIX.weight [E, out, in]: the dense method's per expert, stacked; for AWQ
+    and SmoothQuant, PREFIX.prequant_scaling_factor float32 [E, in] besides."""
     check_method(qm, prefix)
     experts, *one = shape
-    return {
+    out = {
         name: TensorInfo(name, info.dtype, (experts, *info.shape))
         for name, info in qm.plan(prefix, tuple(one), ctx).items()
     }
+    if isinstance(qm, SEARCHED):
+        name = f"{prefix}.{PREQUANT}"
+        out[name] = TensorInfo(name, PREQUANT_DTYPE, (experts, one[1]))
+    return out
 
 
 def quantize(qm: QuantMethod, prefix: str, weight: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
     """Each expert's [out, in] slice quantized as a dense linear, the results stacked along the expert axis."""
+    return quantize_with_choices(qm, prefix, weight, ctx)[0]
+
+
+def quantize_with_choices(
+    qm: QuantMethod, prefix: str, weight: torch.Tensor, ctx: Context
+) -> tuple[dict[str, torch.Tensor], ExpertChoices | None]:
+    """`quantize`, and what AWQ's / SmoothQuant's per-expert searches chose (None for the other methods, and for
+    SmoothQuant at a fixed α)."""
     check_method(qm, prefix)
     if isinstance(qm, FP8):
-        return _fp8(prefix, weight, ctx)
+        return _fp8(prefix, weight, ctx), None
+    if isinstance(qm, W4A16Awq):
+        return _awq(prefix, weight, ctx)
+    if isinstance(qm, W8A8SQ):
+        return _smoothquant(prefix, weight, ctx)
     parts = [qm.quantize(prefix, expert, ctx) for expert in weight]
-    return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}
+    return {name: torch.stack([part[name] for part in parts]) for name in parts[0]}, None
+
+
+def _routed(prefix: str, ctx: Context, method: str) -> RoutedStats:
+    routed = ctx.calib.routed.get(prefix)
+    if routed is None:
+        raise UserError(f"{prefix}: {method} experts need the routed calibration of this layer, and it saw no tokens")
+    return routed
+
+
+def _awq(prefix: str, weight: torch.Tensor, ctx: Context) -> tuple[dict[str, torch.Tensor], ExpertChoices]:
+    """Per expert, AWQ's scale then clip search (awq.search_group) on its routed rows and activation means (the
+    layer's where it fell back); fc's [up; gate] slice is one weight, so gate and up share one s."""
+    routed = _routed(prefix, ctx, "w4a16_awq")
+    _check_even(prefix, weight.shape[1])
+    codes, scales, prequant, choices = [], [], [], []
+    for e, w in enumerate(weight):
+        choice = search_group({prefix: w}, routed.rows(e), routed.mean_abs(e), ctx.group_size, PREQUANT_DTYPE)[prefix]
+        c, scale = quantize_awq(w, choice, ctx.group_size)
+        codes.append(pack_int4(c))
+        scales.append(scale)
+        prequant.append((1 / choice.scale).to(PREQUANT_DTYPE))
+        choices.append(choice)
+    tensors = {
+        f"{prefix}.{WEIGHT}": torch.stack(codes),
+        f"{prefix}.{WEIGHT_SCALE}": torch.stack(scales),
+        f"{prefix}.{PREQUANT}": torch.stack(prequant),
+    }
+    return tensors, ExpertChoices(tuple(choices), tuple(routed.fell_back(weight.shape[0])))
+
+
+def _smoothquant(
+    prefix: str, weight: torch.Tensor, ctx: Context
+) -> tuple[dict[str, torch.Tensor], ExpertChoices | None]:
+    """Per expert, SmoothQuant's s from its routed channel maxima (the layer's where it fell back) at the fixed α or
+    the α searched on its routed rows; int8 per output channel of W·s; its static int8 input scale the routed
+    maximum of x/s over 127, as the dense method sets a linear's."""
+    routed = _routed(prefix, ctx, "w8a8_sq")
+    codes, scales, acts, prequant, choices = [], [], [], [], []
+    for e, w in enumerate(weight):
+        x_amax = routed.channel_max(e)
+        if isinstance(ctx.sq_alpha, str):  # "auto"
+            choice = search_alpha(routed.rows(e), x_amax, [w])
+            choices.append(choice)
+        s = smoothing_scales(x_amax, [w], choices[-1].alpha if isinstance(ctx.sq_alpha, str) else ctx.sq_alpha)
+        c, scale = quantize_per_channel((w.double() * s).to(w.dtype))
+        codes.append(c)
+        scales.append(scale)
+        acts.append(activation_scale((x_amax.double() / s).max().item(), 127))
+        prequant.append((1 / s).to(PREQUANT_DTYPE))
+    tensors = {
+        f"{prefix}.{WEIGHT}": torch.stack(codes),
+        f"{prefix}.{WEIGHT_SCALE}": torch.stack(scales),
+        f"{prefix}.{ACTIVATION_SCALE}": torch.stack(acts),
+        f"{prefix}.{PREQUANT}": torch.stack(prequant),
+    }
+    fell_back = tuple(routed.fell_back(weight.shape[0]))
+    return tensors, ExpertChoices(tuple(choices), fell_back) if choices else None
 
 
 def _fp8(prefix: str, weight: torch.Tensor, ctx: Context) -> dict[str, torch.Tensor]:
     """Each expert's slice E4M3 at its own max |w|; its activation scale its routed input maximum / 448."""
-    routed = ctx.calib.routed.get(prefix)
-    if routed is None:
-        raise UserError(f"{prefix}: fp8 experts need the routed calibration of this layer, and it saw no tokens")
+    routed = _routed(prefix, ctx, "fp8")
     parts = [quantize_fp8(expert) for expert in weight]
     acts = [activation_scale(amax, FP8_E4M3_MAX) for amax in routed.input_amax(weight.shape[0])]
     return {
@@ -87,8 +198,13 @@ def _fp8(prefix: str, weight: torch.Tensor, ctx: Context) -> dict[str, torch.Ten
 
 
 def activation_scales(qm: QuantMethod, s: Stored) -> torch.Tensor | None:
-    """A stacked linear's per-expert static input scales [E] (fp8), else None (weight-only)."""
-    return s[ACTIVATION_SCALE].float().reshape(-1) if isinstance(qm, FP8) else None
+    """A stacked linear's per-expert static input scales [E] (fp8, w8a8_sq), else None (weight-only, AWQ)."""
+    return s[ACTIVATION_SCALE].float().reshape(-1) if isinstance(qm, FP8 | W8A8SQ) else None
+
+
+def prequant_scales(qm: QuantMethod, s: Stored) -> torch.Tensor | None:
+    """A stacked linear's per-expert 1/s [E, in] float32 (w4a16_awq, w8a8_sq), else None."""
+    return s[PREQUANT].to(PREQUANT_DTYPE) if isinstance(qm, SEARCHED) else None
 
 
 def _expert(s: Stored, e: int) -> Stored:

@@ -1,8 +1,9 @@
 """The reference forward of a quantized checkpoint: weights dequantized; each linear's input multiplied by its
-`prequant_scaling_factor` when it has one; and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8
-activations at each linear's input (at each expert's routed input for fp8 experts), the KV cache — quantized and
-dequantized in place (fake quantization), so the reference computes what the engine will compute, up to accumulation
-order. Each quantized linear's method reads its own tensors (methods/base.py)."""
+`prequant_scaling_factor` when it has one (each expert's routed input by its own, for AWQ / SmoothQuant experts);
+and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8 activations at each linear's input (at each
+expert's routed input for experts), the KV cache — quantized and dequantized in place (fake quantization), so the
+reference computes what the engine will compute, up to accumulation order. Each quantized linear's method reads its
+own tensors (methods/base.py)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class FakeQuant(Hooks):
         self.prequant, self.activation_scales, self.activation_kind = prequant, activation_scales, activation_kind
         self.kv_scales, self.kv_kind = kv_scales, kv_kind
         self.expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> activation scale per expert
+        self.expert_prequant: dict[str, torch.Tensor] = {}  # stacked experts' linear -> 1/s per expert [E, in]
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         pre = self.prequant.get(prefix)
@@ -45,6 +47,9 @@ class FakeQuant(Hooks):
         return fake_quant(x, scale, self.activation_kind)
 
     def expert_input(self, prefix: str, expert: int, x: torch.Tensor) -> torch.Tensor:
+        pre = self.expert_prequant.get(prefix)
+        if pre is not None:  # AWQ / SmoothQuant experts: the expert's own 1/s first, as the MoE op applies it
+            x = x * pre[expert].to(x.dtype)
         scales = self.expert_scales.get(prefix)
         if scales is None or self.activation_kind is None:
             return x
@@ -68,6 +73,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     kv_scales: dict[str, float] = {}
     prequant: dict[str, torch.Tensor] = {}
     expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> per-expert activation scales [E]
+    expert_prequant: dict[str, torch.Tensor] = {}  # stacked experts' linear -> per-expert 1/s [E, in]
     owned: set[str] = set()  # the quantized linears' tensors, which their method has read
     for name in raw:
         prefix = quantized_prefix(name)
@@ -77,9 +83,12 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
                 weights[linear.name(WEIGHT)] = experts.dequantize(qm, linear)  # dense or stacked
             except UserError as e:  # a scale on something that is not one of the model's linears
                 raise UserError(f"{directory / rank_file(0)}: {name}: {e}") from e
-            routed = experts.activation_scales(qm, linear) if experts.stacked(tuple(linear[WEIGHT].shape)) else None
-            if routed is not None:  # fp8 experts: each expert's routed input at its own scale (`expert_input`)
-                expert_scales[prefix] = routed
+            if experts.stacked(tuple(linear[WEIGHT].shape)):  # each expert's routed input (`expert_input`): its
+                act, pre = experts.activation_scales(qm, linear), experts.prequant_scales(qm, linear)
+                if act is not None:  # own static scale (fp8, w8a8_sq)
+                    expert_scales[prefix] = act
+                if pre is not None:  # own 1/s (w4a16_awq, w8a8_sq)
+                    expert_prequant[prefix] = pre
                 owned.update(qm.tensor_names(prefix))
                 continue
             scales = qm.input_scales(linear)
@@ -96,4 +105,5 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     activation_kind = method.activation_kind if method else None
     model.hooks = FakeQuant(prequant, activation, activation_kind, kv_scales, kv.quant_algo if kv else None)
     model.hooks.expert_scales = expert_scales
+    model.hooks.expert_prequant = expert_prequant
     return model

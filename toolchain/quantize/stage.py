@@ -5,7 +5,8 @@ sharing one FP8 weight scale); AWQ scale and clip searches (awq.py); SmoothQuant
 per layer, then INT8 weights per channel (smoothquant.py); INT8/FP8 activation and FP8 KV-cache scales from
 calibration maxima, INT8 KV-cache scales from a clip search below the maximum (calibrate.py). Embeddings are never
 quantized, lm_head only when not excluded, a mixture of experts' router never; its stacked experts are quantized
-expert by expert by the weight-only methods and by fp8 with routed calibration (experts.py, calibrate.py).
+expert by expert by the weight-only methods, and by fp8, AWQ and SmoothQuant with routed calibration (experts.py,
+calibrate.py).
 
 Each method is a module of methods/ (the registry: plan, prepare, quantize, dequantize, export); one driver runs
 them all, one decoder layer at a time. Memory: a streamable method (w8a16, w4a16) holds one source tensor at a time
@@ -183,15 +184,22 @@ def _quantize_layer(qm: QuantMethod, layer: Layer, ctx: Context, header: dict[st
             made = _streamed(qm, prefix, header[f"{prefix}.weight"], ctx)
             out.update(dict.fromkeys(made.infos, made))
         return {}
-    prepared = qm.prepare(layer, ctx)
+    # a mixture of experts' stacked [E, out, in] linears are searched expert by expert on their routed calibration
+    # (experts.py), not by the method's per-layer work on dense linears
+    stacked = {p for p in layer.linears if experts.stacked(tuple(layer.tensors[f"{p}.weight"].shape))}
+    dense = [p for p in layer.linears if p not in stacked]
+    prepared = qm.prepare(dataclasses.replace(layer, linears=dense, chosen=layer.chosen - stacked), ctx)
+    searched: dict[str, Any] = {}
     for prefix in layer.linears:
         weight = layer.tensors[f"{prefix}.weight"]
-        if experts.stacked(tuple(weight.shape)):  # a mixture of experts' [E, out, in] (fp8: routed calibration)
-            layer.tensors.update(experts.quantize(qm, prefix, weight, ctx))
+        if prefix in stacked:
+            tensors, choices = experts.quantize_with_choices(qm, prefix, weight, ctx)
+            layer.tensors.update(tensors)
+            searched.update({prefix: choices} if choices else {})
         else:
             layer.tensors.update(qm.quantize(prefix, weight, ctx, prepared.get(prefix)))
     out.update(layer.tensors)
-    return prepared if qm.details_key else {}
+    return {**prepared, **searched} if qm.details_key else {}
 
 
 def _outside_layers(spec: ModelSpec) -> list[str]:
@@ -243,6 +251,8 @@ def _quantize_layerwise(
             choices.update(_quantize_layer(qm, Layer(ls.prefix, layer, linears, chosen, ls), ctx, header, out))
             for linear in ls.linears():
                 calib.input_sample.pop(linear, None)  # this layer's row samples are spent (AWQ's searches used them)
+                if linear in calib.routed:
+                    calib.routed[linear].drop_samples()
         if run:
             run.finish()
         if "lm_head" in chosen:
@@ -273,7 +283,7 @@ def quantize_checkpoint(
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")
     header, _ = read_header(rank_path)
     spec = spec_of(cfg)
-    if any(isinstance(ls.ffn, ExpertsFFN) for ls in spec.layers):  # weight-only methods quantize experts
+    if any(isinstance(ls.ffn, ExpertsFFN) for ls in spec.layers):  # a method experts.py does not know: refused now
         experts.check_method(qm, next(p for p in quantizable(spec) if p.endswith(".mlp.fc")))
     if opts.needs_calibration:
         check_ffns(spec, "quantization")

@@ -9,8 +9,9 @@ Three steps, as TensorRT would run them (docs/kernels.md, "MoE"):
    within each, the reference's stable argsort) and `offsets` [E+1] int32 (expert e's assignments are
    assignments[offsets[e]:offsets[e+1]]). Here in torch; in TensorRT a router plugin (not written yet).
 2. `moe_kernel` with STAGE 0 (fc): h[r] = up * act(gate) (or gpt-oss's clamped SwiGLU) of x[assignments[r] // k]
-   through expert e's fc rows, h [T*k, I] in the activation type, in the sorted order; STAGE 1 (proj):
-   out[assignments[r]] = weight * (h[r] @ proj_e^T + proj_bias_e), out [T*k, H] in fp32, in assignment
+   (times the expert's 1/s, when `prequant`: AWQ / SmoothQuant experts) through expert e's fc rows, h [T*k, I] in
+   the activation type, in the sorted order; STAGE 1 (proj): out[assignments[r]] = weight * (h[r] (times the
+   expert's 1/s) @ proj_e^T + proj_bias_e), out [T*k, H] in fp32, in assignment
    (token-major) order. One launch each: two plugin instances of the same kernel. Programs over (expert, tile of
    BLOCK_M of its assignments, tile of BLOCK_N output columns); a tile past its expert's count does nothing, so an
    expert no token chose costs one load of its offsets and its weights are never read.
@@ -80,6 +81,7 @@ def moe_kernel(
     weights,
     w,
     bias,
+    prequant,
     out,
     TOP_K: tl.constexpr,
     K: tl.constexpr,
@@ -119,6 +121,9 @@ def moe_kernel(
             at = tl.load(
                 a + a_row.to(tl.int64)[:, None] * K + ks[None, :], mask=rows[:, None] & (ks < K)[None, :], other=0.0
             )
+            if prequant is not None:  # the expert's 1/s [K] (fp32): the A tile times it, in fp32, back to the dtype
+                p = tl.load(prequant + expert.to(tl.int64) * K + ks, mask=ks < K, other=0.0)
+                at = common.cast(at.to(tl.float32) * p[None, :], act)
             w_mask = (ks < K)[:, None] & cols[None, :]
             wt = tl.load(w_base + n[None, :] * K + ks[:, None], mask=w_mask, other=0.0)  # [BLOCK_K, BLOCK_N]
             acc += dot(at, wt, act, DOT_FP32)
@@ -169,13 +174,15 @@ def _block(size: int) -> int:
 
 def signature(s: Stage, activation: str) -> dict[str, str]:
     """triton.compile's signature: a (x or h), assignments, offsets, weights, w (fc or proj), bias (a constexpr
-    None without use_bias), out (h in the activation type, or the weighted outputs in fp32), then the constexprs."""
+    None without use_bias), prequant (the experts' 1/s [E, K] fp32; a constexpr None without it), out (h in the
+    activation type, or the weighted outputs in fp32), then the constexprs."""
     check(s, activation)
     act = "*" + common.ACTIVATIONS[activation]
     bias = act if s.moe.use_bias else "constexpr"
     sig = {"a": act, "assignments": "*i32", "offsets": "*i32", "weights": "*fp32", "w": act, "bias": bias}
+    sig["prequant"] = "*fp32" if s.moe.prequant else "constexpr"
     sig["out"] = act if s.stage == "fc" else "*fp32"
-    consts = {k: "constexpr" for k in constexprs(s, activation) if k != "bias"}
+    consts = {k: "constexpr" for k in constexprs(s, activation) if k not in ("bias", "prequant")}
     return {**sig, **consts}
 
 
@@ -184,6 +191,7 @@ def constexprs(s: Stage, activation: str) -> dict[str, Any]:
     (dot_fp32)."""
     k, n, w_rows = _dims(s)
     consts: dict[str, Any] = {} if s.moe.use_bias else {"bias": None}
+    consts |= {} if s.moe.prequant else {"prequant": None}
     return {
         **consts,
         "TOP_K": s.moe.top_k,
@@ -236,11 +244,19 @@ def moe(
     proj_weight: torch.Tensor,
     *biases: torch.Tensor,
 ) -> torch.Tensor:
-    if len(biases) != 2 * a.use_bias + a.router_bias:
+    if a.fp8_inputs or a.int8_inputs:
         raise ValueError(
-            f"MoE: {len(biases)} bias inputs, expected {2 * a.use_bias + a.router_bias} (use_bias {a.use_bias}, "
-            f"router_bias {a.router_bias})"
+            f"MoE fp8_inputs {a.fp8_inputs} / int8_inputs {a.int8_inputs}: the kernel has no input quantization yet; "
+            "run fp8 and w8a8_sq experts on the reference op (the onnxruntime backend)"
         )
+    expected = 2 * a.use_bias + a.router_bias + 2 * a.prequant
+    if len(biases) != expected:
+        raise ValueError(
+            f"MoE: {len(biases)} bias inputs, expected {expected} (use_bias {a.use_bias}, router_bias "
+            f"{a.router_bias}, prequant {a.prequant}: its fc and proj 1/s counted with them)"
+        )
+    prequant = (biases[-2].float().contiguous(), biases[-1].float().contiguous()) if a.prequant else (None, None)
+    biases = biases[: len(biases) - 2 * a.prequant]
     activation = str(x.dtype).removeprefix("torch.")
     fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
     t, k, hidden, inter = x.shape[0], a.top_k, a.expert_hidden_size, a.expert_inter_size
@@ -251,14 +267,15 @@ def moe(
     assignments, offsets = sort_by_expert(experts, a.number_of_experts)
     h = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
-    steps = (("fc", x, fc_weight, fc_bias, h), ("proj", h, proj_weight, proj_bias, out))
-    for stage, src, w, bias, dst in steps:
+    steps = (("fc", x, fc_weight, fc_bias, prequant[0], h), ("proj", h, proj_weight, proj_bias, prequant[1], out))
+    for stage, src, w, bias, pre, dst in steps:
         s = Stage(a, stage)
         check(s, activation)
         consts = {**constexprs(s, activation), "DOT_FP32": dot_fp32(activation)}
         consts.pop("bias", None)
+        consts.pop("prequant", None)
         moe_kernel[grid(s, t)](
-            src, assignments, offsets, weights.reshape(-1).contiguous(), w.contiguous(), bias, dst,
+            src, assignments, offsets, weights.reshape(-1).contiguous(), w.contiguous(), bias, pre, dst,
             **consts, num_warps=NUM_WARPS, **common.OPTIONS,
         )  # fmt: skip
     return out.view(t, k, hidden).sum(1).to(x.dtype)
