@@ -14,8 +14,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from toolchain.checkpoint.hf_fields import positive_int
 from toolchain.checkpoint.llama import (
     DENSE_BIAS_TABLE,
@@ -160,7 +158,7 @@ def weight_table(cfg: ModelConfig, available: set[str], names: ExpertNames) -> l
         fc = tuple(f"{src}.{n.format(e=e)}" for e in experts for n in (names.up, names.gate))
         proj = tuple(f"{src}.{names.down.format(e=e)}" for e in experts)
         table += [
-            Rule(f"{dst}.mlp.router.weight", (f"{src}.{names.router}",), ffn=ffn, dtype=torch.float32),
+            Rule(f"{dst}.mlp.router.weight", (f"{src}.{names.router}",), ffn=ffn, dtype="float32"),
             Rule(f"{dst}.mlp.fc.weight", fc, ffn=ffn, experts=ffn.num_experts),
             Rule(f"{dst}.mlp.proj.weight", proj, ffn=ffn, experts=ffn.num_experts),
         ]
