@@ -179,6 +179,25 @@ def source_shapes(cfg: ModelConfig, available: set[str], names: ExpertNames) -> 
     return shapes
 
 
+def hf_moe_fields(
+    hf: dict[str, Any],
+    source: str,
+    count_keys: tuple[str, ...],
+    size_key: str,
+    renormalise: bool,
+    dense_layers: list[int],
+    top_k_default: int | None = None,
+) -> dict[str, Any]:
+    """`moe_fields` read from an HF config.json: the expert count under whichever of `count_keys` it sets
+    (`expert_count`), `num_experts_per_tok` (required where `top_k_default` is None) and the expert width under
+    `size_key`."""
+    experts = expert_count(hf, source, count_keys)
+    default = () if top_k_default is None else (top_k_default,)
+    top_k = positive_int(hf, "num_experts_per_tok", source, *default)
+    size = positive_int(hf, size_key, source)
+    return moe_fields(experts, top_k, renormalise, size, dense_layers, source)
+
+
 def expert_count(hf: dict[str, Any], source: str, keys: tuple[str, ...]) -> int:
     """The number of experts under whichever of `keys` config.json sets (released configs and transformers 5.x name
     it differently); two that disagree are refused."""
