@@ -18,7 +18,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import toolchain.checkpoint.convert as convert_mod
 from toolchain.checkpoint.convert import _cast, _prefetched, convert
+from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.safetensors_io import NUMPY_DTYPES
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,3 +155,37 @@ def test_prefetch_holds_at_most_the_largest_tensor() -> None:
         del tensor  # as write_stage lets go of each tensor before it asks for the next
     assert tuple(written) == sizes
     assert peak <= max(sizes), peak
+
+
+def test_convert_lets_go_of_each_tensor_before_making_the_next_large_one(
+    tiny_moe: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bound through `convert` itself: the tensors made and not yet let go of (write_stage's loop included,
+    which held the last one while the next was made when it zipped names with tensors) stay within the largest
+    tensor's cost, the stacked experts, whatever the number of workers."""
+    ckpt = HFCheckpoint.open(tiny_moe)
+    plan = convert_mod.plan_conversion(ckpt)
+    with ckpt.reader() as reader:
+        budget = max(convert_mod._cost(reader, plan.config.numpy_dtype, out) for out in plan.stages[0])
+    alive: dict[int, int] = {}
+    peaks: list[int] = []
+    lock = threading.Lock()
+    real = convert_mod._materialize
+
+    def forget(key: int) -> None:
+        with lock:
+            del alive[key]
+
+    def tracked(*args: Any) -> np.ndarray[Any, Any]:
+        tensor = real(*args)
+        with lock:
+            alive[id(tensor)] = tensor.nbytes
+            peaks.append(sum(alive.values()))
+        weakref.finalize(tensor, forget, id(tensor))
+        return tensor
+
+    monkeypatch.setattr(convert_mod, "_materialize", tracked)
+    for workers in (1, 2, 4):
+        convert_mod.convert(tiny_moe, tmp_path / str(workers), workers=workers)
+        assert len(peaks) == len(plan.stages[0]) and max(peaks) <= budget, (workers, max(peaks), budget)
+        peaks.clear()

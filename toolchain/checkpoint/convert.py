@@ -365,11 +365,13 @@ def write_stage(
     with ExitStack() as stack:
         writers = [stack.enter_context(SafetensorsWriter(path, infos, {"format": "pt"})) for path in paths]
         made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers, partial(_cost, reader, dtype))
-        for out, full in zip(tensors, made, strict=True):
+        for out in tensors:
+            full = next(made)  # not zip(tensors, made): zip holds the last tuple it made while it makes the next
             for t, writer in enumerate(writers):
                 writer.write(out.name, shard(full, out.rule.split, cfg, tp, t))
             del full  # before the next tensor is made
             advance(1)
+        assert next(made, None) is None
     return {path.resolve(): writer.sha256 for path, writer in zip(paths, writers, strict=True)}
 
 
