@@ -31,7 +31,7 @@ SCALE_NAN = 255
 
 def dequantize_array(blocks: np.ndarray[Any, Any], scales: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """blocks uint8 [..., G, 16], scales uint8 [..., G] -> float32 [..., G * 32]; a NaN scale (255) gives NaN, a
-    value beyond float32 infinity (convert refuses both)."""
+    value beyond float32's range infinity (convert refuses both)."""
     table = np.array(E2M1, dtype=np.float32)
     values = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1)  # low nibble first
     exponent = scales.astype(np.int32) - SCALE_BIAS
