@@ -10,8 +10,8 @@ reports wall time and peak RSS. Prints a table (or --json); figures go to docs/b
 
 --moe writes a random Qwen3-MoE (per-expert tensors, as transformers saves them; default hidden 1024, 8 layers of
 32 experts 512 wide, about 1.0 GB in 6 shards), tensor by tensor, so the generator holds one tensor at a time. Its
-table adds the floor: the RSS of a process that only imports what convert imports (Python, torch, the converter:
-about 230 MiB, most of it torch), and each row's RSS above that floor as a share of the model.
+table adds the floor: the RSS of a process that only imports what convert imports (Python, numpy, ml_dtypes, the
+converter: about 47 MiB; convert does not import torch), and each row's RSS above that floor as a share of the model.
 """
 
 from __future__ import annotations

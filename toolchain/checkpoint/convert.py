@@ -4,9 +4,13 @@ Everything that can be checked without reading tensor data is checked before any
 architecture, the config, the parallel split, that every tensor the family needs is present with the shape
 the config implies, and that no source tensor is left unconsumed. Then, per pipeline stage, each output
 tensor is read once, checked for NaN/Inf, fused, cast, split for every tensor-parallel rank and appended to
-that rank's file. Memory stays at the tensors in flight (prefetched ones within the largest tensor's bytes,
-plus the one being written and its split copies), never the model; the files are byte-identical whatever
-the number of workers.
+that rank's file. Memory stays at the tensors in flight (the one being written and those made ahead, together
+within the largest tensor's bytes, plus its split copies), never the model; the files are byte-identical
+whatever the number of workers.
+
+Tensors are numpy arrays (bfloat16 through ml_dtypes) and casts round as torch's `Tensor.to` does, so the bytes
+are torch's while the process never imports torch (about 230 MiB of RSS for its import alone, a quarter of a
+1 GB model; docs/conversion.md). Only pickle checkpoints (`--allow-pickle`) load torch.
 """
 
 from __future__ import annotations
@@ -24,13 +28,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint import mxfp4, registry
 from toolchain.checkpoint.hf import SAFETENSORS_INDEX, HFCheckpoint, TensorReader
-from toolchain.checkpoint.safetensors_io import SafetensorsWriter, TensorInfo
+from toolchain.checkpoint.safetensors_io import (
+    FLOAT_CODES,
+    NUMPY_DTYPES,
+    TORCH_NAMES,
+    SafetensorsWriter,
+    TensorInfo,
+    code_of,
+)
 from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
 from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, rank_file, write_config
 from toolchain.errors import UserError
@@ -38,6 +49,8 @@ from toolchain.manifest import StageRecord
 
 DTYPE_CHOICES = ("auto", *DTYPES)
 _SHOW = 5  # names listed in an error before "... and N more"
+_PIECE = 1 << 20  # elements of a bfloat16 / float8 tensor widened to float32 at a time by `_extremes`
+Array = np.ndarray[Any, Any]
 
 
 @dataclass(frozen=True)
@@ -73,8 +86,8 @@ def resolve_dtype(requested: str, ckpt: HFCheckpoint) -> str:
     declared = ckpt.config.get("torch_dtype", ckpt.config.get("dtype"))
     if declared in DTYPES:
         return str(declared)
-    stored = {info.dtype for info in ckpt.tensors.values()}  # no dtype in config.json: what the weights hold
-    return next((name for name, dtype in DTYPES.items() if dtype in stored), "float32")
+    stored = {info.code for info in ckpt.tensors.values()}  # no dtype in config.json: what the weights hold
+    return next((name for name, code in DTYPES.items() if code in stored), "float32")
 
 
 def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: dict[str, tuple[int, ...]]) -> None:
@@ -142,32 +155,60 @@ def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
     return (rows, *shapes[0][1:])
 
 
-def _dtype(out: OutputTensor, dtype: torch.dtype) -> torch.dtype:
+def _dtype(out: OutputTensor, dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The tensor's dtype in the checkpoint: its rule's own (a MoE router's float32), else the checkpoint's."""
-    return out.rule.dtype or dtype
+    return NUMPY_DTYPES[DTYPES[out.rule.dtype]] if out.rule.dtype else dtype
 
 
-def _check_values(name: str, where: Path, out_name: str, tensor: torch.Tensor, dtype: torch.dtype) -> None:
-    """Refuse NaN/Inf and values the target dtype cannot hold. `aminmax` propagates NaN and allocates nothing,
-    and casting is monotonic, so the two extremes decide for the whole tensor."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+def _cast(array: Array, dtype: np.dtype[Any]) -> Array:
+    """`array` in `dtype`, rounded as torch's `Tensor.to` rounds it (to nearest, ties to even): float64 goes to a
+    narrower float through float32, as torch's BFloat16 and Half take a float (numpy would round once, directly);
+    every other cast rounds once in both (tests/checkpoint/test_convert_numpy.py compares them bit for bit)."""
+    if array.dtype == dtype:
+        return array
+    if array.dtype == np.float64 and dtype.itemsize < 4:
+        array = array.astype(np.float32)
+    with np.errstate(over="ignore"):  # overflow to infinity is refused by _check_values before it is written
+        return array.astype(dtype)
+
+
+def _extremes(array: Array) -> tuple[float, float]:
+    """The smallest and largest value, NaN if any is NaN (a NaN never compares, so min/max propagate it). numpy
+    reduces ml_dtypes' bfloat16 / float8 element by element, ~20x slower than float32, so those are widened to
+    float32 (exactly) a piece at a time."""
+    if array.dtype.kind == "f":
+        return float(array.min()), float(array.max())
+    rows = array.reshape(1, -1) if array.ndim < 2 else array
+    step = max(1, _PIECE // max(1, math.prod(rows.shape[1:])))
+    los, his = [], []
+    for start in range(0, rows.shape[0], step):
+        piece = rows[start : start + step].astype(np.float32)
+        los.append(piece.min())
+        his.append(piece.max())
+    return float(np.min(los)), float(np.max(his))
+
+
+def _check_values(name: str, where: Path, out_name: str, tensor: Array, dtype: np.dtype[Any]) -> None:
+    """Refuse NaN/Inf and values the target dtype cannot hold. Casting is monotonic, so the two extremes decide
+    for the whole tensor."""
+    if code_of(tensor.dtype) not in FLOAT_CODES or tensor.size == 0:
         return
-    lo, hi = torch.aminmax(tensor)
-    if not (torch.isfinite(lo) and torch.isfinite(hi)):
-        bad = int((~torch.isfinite(tensor)).sum())
+    lo, hi = _extremes(tensor)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        bad = int(tensor.size - np.count_nonzero(np.isfinite(tensor.astype(np.float32))))
         raise UserError(
             f"{where}: tensor {name} has {bad} NaN/Inf value(s); the model would produce NaN logits. "
             "Fix or re-export the checkpoint"
         )
-    if not (torch.isfinite(lo.to(dtype)) and torch.isfinite(hi.to(dtype))):
-        peak = max(abs(lo.item()), abs(hi.item()))
+    extremes = _cast(np.array([lo, hi]).astype(tensor.dtype), dtype)  # lo, hi are values of tensor.dtype: exact
+    if not np.isfinite(extremes.astype(np.float32)).all():
         raise UserError(
-            f"{where}: tensor {name} (-> {out_name}) overflows {str(dtype).removeprefix('torch.')} "
-            f"(max |value| {peak:.3g}); choose --dtype bfloat16 or float32"
+            f"{where}: tensor {name} (-> {out_name}) overflows {TORCH_NAMES[code_of(dtype)]} "
+            f"(max |value| {max(abs(lo), abs(hi)):.3g}); choose --dtype bfloat16 or float32"
         )
 
 
-def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+def _materialize(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
     """Read the rule's sources, check, fuse, cast."""
     dtype = _dtype(out, dtype)
     if out.rule.packing:
@@ -176,22 +217,25 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) ->
         return _stacked(out, reader, dtype)
     parts = [reader.get(s) for s in out.rule.srcs]
     if out.rule.transpose:
-        parts = [p.t() for p in parts]
+        parts = [p.T for p in parts]
     for name, part in zip(out.rule.srcs, parts, strict=True):
         _check_values(name, reader.file_of(name), out.name, part, dtype)
-    tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+    if len({p.dtype for p in parts}) > 1:  # torch.cat's promotion of floats: float64 if any, else float32
+        wide = np.float64 if any(p.dtype == np.float64 for p in parts) else np.float32
+        parts = [p.astype(wide) for p in parts]
+    tensor = parts[0] if len(parts) == 1 else np.concatenate(parts)
     if out.rule.offset:
-        tensor = tensor.float() + out.rule.offset
+        tensor = tensor.astype(np.float32) + np.float32(out.rule.offset)
     if out.rule.halves_swapped:
-        first, second = tensor.chunk(2)
-        tensor = torch.cat([second, first])
-    return tensor.to(dtype).contiguous()
+        half = -(-tensor.shape[0] // 2)  # torch.chunk(2)'s first half
+        tensor = np.concatenate([tensor[half:], tensor[:half]])
+    return np.ascontiguousarray(_cast(tensor, dtype))
 
 
-def _stacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+def _stacked(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
     """A mixture-of-experts tensor [experts, rows, ...], filled one source tensor at a time: memory is the stacked
     result plus one expert's tensor, never every expert's sources at once."""
-    tensor = torch.empty(out.shape, dtype=dtype)
+    tensor = np.empty(out.shape, dtype=dtype)
     per_expert = len(out.rule.srcs) // out.rule.experts
     row = 0
     for i, name in enumerate(out.rule.srcs):
@@ -199,7 +243,7 @@ def _stacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> tor
         row = 0 if slot == 0 else row
         part = reader.get(name)
         _check_values(name, reader.file_of(name), out.name, part, dtype)
-        tensor[expert, row : row + part.shape[0]] = part  # copy_ casts
+        tensor[expert, row : row + part.shape[0]] = _cast(part, dtype)
         row += part.shape[0]
         del part
     return tensor
@@ -212,49 +256,54 @@ def packed_shape(rule: Rule, source: tuple[int, ...]) -> tuple[int, ...]:
     return (*source[:-2], source[-1], source[-2]) if rule.transpose else source
 
 
-def _unpacked(out: OutputTensor, reader: TensorReader, dtype: torch.dtype) -> torch.Tensor:
+def _unpacked(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
     """A packed experts tensor (Rule.packing), written expert by expert: memory is the source as stored (MXFP4: a
     quarter of the bfloat16 size) plus the result and one expert's float32 copy."""
     rule = out.rule
     sources = [reader.get(s) for s in rule.srcs]
-    tensor = torch.empty(out.shape, dtype=dtype)
+    tensor = np.empty(out.shape, dtype=dtype)
     for e in range(out.shape[0]):
         if rule.packing == "mxfp4":
-            part = mxfp4.dequantize(sources[0][e], sources[1][e])
+            part = mxfp4.dequantize_array(sources[0][e], sources[1][e])
         else:
-            part = sources[0][e].t() if rule.transpose else sources[0][e]
+            part = sources[0][e].T if rule.transpose else sources[0][e]
         _check_values(rule.srcs[0], reader.file_of(rule.srcs[0]), out.name, part, dtype)
         if rule.interleaved:  # even rows the gate, odd the up -> [up; gate]
-            part = torch.cat([part[1::2], part[0::2]])
-        tensor[e] = part  # copy_ casts
+            part = np.concatenate([part[1::2], part[0::2]])
+        tensor[e] = _cast(part, dtype)
         del part
     return tensor
 
 
-def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: Any) -> Iterator[torch.Tensor]:
-    """make(item) for each item, in order, computed ahead in up to `workers` threads (torch ops and file reads
-    release the GIL). Memory: the tensors in flight never exceed the largest single one (`cost` in bytes), so
-    small tensors are pipelined and a large one is made alone."""
+def _prefetched(items: tuple[OutputTensor, ...], make: Any, workers: int, cost: Any) -> Iterator[Array]:
+    """make(item) for each item, in order, computed ahead in up to `workers` threads (numpy's copies and casts and
+    the file reads release the GIL). Memory: the tensors made ahead and the one the caller holds (it asks for the
+    next only once it has let go of it) together never exceed the largest single one (`cost` in bytes), so small
+    tensors are pipelined and a large one is made and written alone: a MoE layer's stacked experts, the largest
+    tensors, are never two at once."""
     budget = max((cost(item) for item in items), default=0)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="convert") as pool:
-        queue: deque[tuple[Future[torch.Tensor], int]] = deque()
-        in_flight = 0
+        queue: deque[tuple[Future[Array], int]] = deque()
+        in_flight = 0  # bytes submitted and not yet let go of by the caller
         try:
             for item in items:
                 while queue and (len(queue) >= workers or in_flight + cost(item) > budget):
                     future, size = queue.popleft()
-                    in_flight -= size
                     yield future.result()
+                    del future  # the caller asks for the next: the tensor it held is free
+                    in_flight -= size
                 queue.append((pool.submit(make, item), cost(item)))
                 in_flight += cost(item)
             while queue:
-                yield queue.popleft()[0].result()
+                future, size = queue.popleft()
+                yield future.result()
+                del future
         finally:
             for future, _ in queue:
                 future.cancel()
 
 
-def _cost(reader: TensorReader, dtype: torch.dtype, out: OutputTensor) -> int:
+def _cost(reader: TensorReader, dtype: np.dtype[Any], out: OutputTensor) -> int:
     """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
     makes a new tensor."""
     dtype = _dtype(out, dtype)
@@ -308,7 +357,7 @@ def write_stage(
     out_dir: Path, plan: ConversionPlan, stage: int, reader: TensorReader, workers: int, advance: Any
 ) -> dict[Path, str]:
     """Write the TP rank files of one pipeline stage; returns their sha256 by path."""
-    cfg, dtype = plan.config, plan.config.torch_dtype
+    cfg, dtype = plan.config, plan.config.numpy_dtype
     tp = cfg.mapping.tp_size
     tensors = plan.stages[stage]
     infos = [TensorInfo(o.name, _dtype(o, dtype), shard_shape(o.shape, o.rule.split, cfg, tp)) for o in tensors]
@@ -316,11 +365,13 @@ def write_stage(
     with ExitStack() as stack:
         writers = [stack.enter_context(SafetensorsWriter(path, infos, {"format": "pt"})) for path in paths]
         made = _prefetched(tensors, lambda o: _materialize(o, reader, dtype), workers, partial(_cost, reader, dtype))
-        for out, full in zip(tensors, made, strict=True):
+        for out in tensors:
+            full = next(made)  # not zip(tensors, made): zip holds the last tuple it made while it makes the next
             for t, writer in enumerate(writers):
                 writer.write(out.name, shard(full, out.rule.split, cfg, tp, t))
             del full  # before the next tensor is made
             advance(1)
+        assert next(made, None) is None
     return {path.resolve(): writer.sha256 for path, writer in zip(paths, writers, strict=True)}
 
 

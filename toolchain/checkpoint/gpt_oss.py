@@ -31,8 +31,6 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-
 from toolchain.checkpoint import moe
 from toolchain.checkpoint.hf_fields import boolean, positive_float, positive_int
 from toolchain.checkpoint.llama import (
@@ -162,7 +160,7 @@ def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
     ffn, _ = moe.experts_ffn(cfg, biases=True)
     rows = [row for row in LAYER_TABLE if not row[0].startswith("mlp.")]
     table = build_table(cfg, available, rows + list(QKV_BIAS_TABLE + DENSE_BIAS_TABLE if cfg.attn_bias else ()))
-    f32 = torch.float32
+    f32 = "float32"
     for i in range(cfg.num_hidden_layers):
         dst, src = f"transformer.layers.{i}", f"model.layers.{i}"
         experts = f"{src}.{_EXPERTS}"

@@ -2,7 +2,8 @@
 
 Weights are found through `model.safetensors.index.json`, else every `*.safetensors` file. Pickle checkpoints
 (`*.bin`, `*.pt`, `*.pth`) can run arbitrary code when loaded, so they are refused unless the caller opts in,
-and then loaded with `torch.load(weights_only=True)`.
+and then loaded with `torch.load(weights_only=True)` (the one path here that imports torch). Tensors are handed out
+as numpy arrays (safetensors_io).
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import re
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
-from toolchain.checkpoint.safetensors_io import TensorInfo, read_header, read_tensor
+from toolchain.checkpoint.safetensors_io import TensorInfo, as_array, read_array, read_header
 from toolchain.errors import UserError
 from toolchain.files import JSON_LIMIT, TOKENIZER_LIMIT, check_present, read_text_capped
 from toolchain.files import TOKENIZER_FILES as TOKENIZER_FILES  # re-exported: build and quantize copy them
+
+if TYPE_CHECKING:
+    import torch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Weight pickles by Hugging Face's naming; other pickles in a training dir (training_args.bin, optimizer.pt)
@@ -102,7 +106,12 @@ class HFCheckpoint:
                     raise UserError(f"{path}: tensor {name!r} also in {files[name].name}; remove the duplicate")
                 pickled[name] = tensor
                 files[name] = path
-        tensors = {n: TensorInfo(n, t.dtype, tuple(t.shape)) for n, t in pickled.items()}
+        tensors = {}
+        for name, tensor in pickled.items():
+            try:
+                tensors[name] = TensorInfo(name, tensor.dtype, tuple(tensor.shape))
+            except ValueError as e:
+                raise UserError(f"{files[name]}: tensor {name!r}: {e}; re-save it in one of those") from e
         return cls(root, config, tensors, files, pickled)
 
     @property
@@ -134,25 +143,27 @@ class TensorReader:
     def __exit__(self, *exc: object) -> None:
         self._stack.close()
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str) -> np.ndarray[Any, Any]:
         if name in self._ckpt._pickled:
-            return self._ckpt._pickled[name]
+            return as_array(self._ckpt._pickled[name])
         path = self._ckpt.files[name]
         if path not in self._handles:
             self._handles[path] = self._stack.enter_context(path.open("rb"))
-        return read_tensor(self._handles[path], self._ckpt.tensors[name])
+        return read_array(self._handles[path], self._ckpt.tensors[name])
 
     def nbytes(self, name: str) -> int:
         return self._ckpt.tensors[name].nbytes
 
-    def dtype(self, name: str) -> torch.dtype:
-        return self._ckpt.tensors[name].dtype
+    def dtype(self, name: str) -> np.dtype[Any]:
+        return self._ckpt.tensors[name].numpy_dtype
 
     def file_of(self, name: str) -> Path:
         return self._ckpt.files[name]
 
 
 def _load_pickle(path: Path) -> dict[str, torch.Tensor]:
+    import torch
+
     def load(mmap: bool) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
 

@@ -11,13 +11,12 @@ Mistral. `router_jitter_noise` acts in training only and is ignored.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from toolchain.checkpoint import moe
 from toolchain.checkpoint.hf_fields import positive_int
 from toolchain.checkpoint.llama import DROPPED, llama_style_config
-from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 
 __all__ = ["DROPPED", "config_from_hf", "source_shapes", "spec", "weight_table"]
@@ -31,21 +30,13 @@ NAMES = moe.ExpertNames(
 
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
-    experts = moe.expert_count(hf, source, ("num_local_experts", "num_experts"))
-    top_k = positive_int(hf, "num_experts_per_tok", source, 2)
-    size = positive_int(hf, "intermediate_size", source)
-    fields = moe.moe_fields(experts, top_k, renormalise=True, expert_size=size, dense_layers=[], source=source)
+    fields = moe.hf_moe_fields(
+        hf, source, ("num_local_experts", "num_experts"), "intermediate_size", True, [], top_k_default=2
+    )
     window = positive_int(hf, "sliding_window", source) if hf.get("sliding_window") is not None else None
     return llama_style_config(hf, dtype, source, "MixtralForCausalLM", sliding_window=window, family_fields=fields)
 
 
-def spec(cfg: ModelConfig) -> ModelSpec:
-    return moe.moe_spec(cfg)
-
-
-def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
-    return moe.weight_table(cfg, available, NAMES)
-
-
-def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, tuple[int, ...]]:
-    return moe.source_shapes(cfg, available, NAMES)
+spec = moe.moe_spec
+weight_table = partial(moe.weight_table, names=NAMES)
+source_shapes = partial(moe.source_shapes, names=NAMES)

@@ -14,8 +14,6 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from toolchain.checkpoint.hf_fields import positive_int
 from toolchain.checkpoint.llama import (
     DENSE_BIAS_TABLE,
@@ -160,7 +158,7 @@ def weight_table(cfg: ModelConfig, available: set[str], names: ExpertNames) -> l
         fc = tuple(f"{src}.{n.format(e=e)}" for e in experts for n in (names.up, names.gate))
         proj = tuple(f"{src}.{names.down.format(e=e)}" for e in experts)
         table += [
-            Rule(f"{dst}.mlp.router.weight", (f"{src}.{names.router}",), ffn=ffn, dtype=torch.float32),
+            Rule(f"{dst}.mlp.router.weight", (f"{src}.{names.router}",), ffn=ffn, dtype="float32"),
             Rule(f"{dst}.mlp.fc.weight", fc, ffn=ffn, experts=ffn.num_experts),
             Rule(f"{dst}.mlp.proj.weight", proj, ffn=ffn, experts=ffn.num_experts),
         ]
@@ -179,6 +177,25 @@ def source_shapes(cfg: ModelConfig, available: set[str], names: ExpertNames) -> 
             shapes[f"{src}.{names.up.format(e=e)}"] = (size, h)
             shapes[f"{src}.{names.down.format(e=e)}"] = (h, size)
     return shapes
+
+
+def hf_moe_fields(
+    hf: dict[str, Any],
+    source: str,
+    count_keys: tuple[str, ...],
+    size_key: str,
+    renormalise: bool,
+    dense_layers: list[int],
+    top_k_default: int | None = None,
+) -> dict[str, Any]:
+    """`moe_fields` read from an HF config.json: the expert count under whichever of `count_keys` it sets
+    (`expert_count`), `num_experts_per_tok` (required where `top_k_default` is None) and the expert width under
+    `size_key`."""
+    experts = expert_count(hf, source, count_keys)
+    default = () if top_k_default is None else (top_k_default,)
+    top_k = positive_int(hf, "num_experts_per_tok", source, *default)
+    size = positive_int(hf, size_key, source)
+    return moe_fields(experts, top_k, renormalise, size, dense_layers, source)
 
 
 def expert_count(hf: dict[str, Any], source: str, keys: tuple[str, ...]) -> int:

@@ -11,10 +11,16 @@ so the dequantized weights are exactly what transformers computes.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint
+from toolchain.checkpoint.safetensors_io import TORCH_NAMES
 from toolchain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 BLOCK = 32  # values per shared scale
 # FP4 E2M1 code -> value: bit 3 the sign, bits 2-1 the exponent, bit 0 the mantissa
@@ -23,20 +29,32 @@ SCALE_BIAS = 127
 SCALE_NAN = 255
 
 
+def dequantize_array(blocks: np.ndarray[Any, Any], scales: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> float32 [..., G * 32]; a NaN scale (255) gives NaN, a
+    value beyond float32's range infinity (convert refuses both)."""
+    table = np.array(E2M1, dtype=np.float32)
+    values = np.stack([table[blocks & 0x0F], table[blocks >> 4]], axis=-1)  # low nibble first
+    exponent = scales.astype(np.int32) - SCALE_BIAS
+    with np.errstate(over="ignore"):
+        scaled = np.ldexp(values.reshape(*values.shape[:-2], -1), exponent[..., None])
+    scaled = np.where((scales == SCALE_NAN)[..., None], np.float32(np.nan), scaled)
+    result: np.ndarray[Any, Any] = scaled.reshape(*scaled.shape[:-2], -1)
+    return result
+
+
 def dequantize(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """blocks uint8 [..., G, 16], scales uint8 [..., G] -> float32 [..., G * 32]; a NaN scale (255) gives NaN."""
-    table = torch.tensor(E2M1, dtype=torch.float32)
-    values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)  # low nibble first
-    exponent = scales.to(torch.int32) - SCALE_BIAS
-    scaled = torch.ldexp(values.flatten(-2), exponent[..., None])
-    scaled = torch.where((scales == SCALE_NAN)[..., None], torch.nan, scaled)
-    return scaled.flatten(-2)
+    """`dequantize_array` on torch tensors."""
+    import torch
+
+    return torch.from_numpy(dequantize_array(blocks.numpy(), scales.numpy()))
 
 
 def quantize(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., in] (in a multiple of 32) -> (blocks, scales) in the layout above: each block's scale the
     smallest power of two that fits its largest magnitude in 6, each value rounded to the nearest E2M1 value. For
     tests and tools that write MXFP4 checkpoints; dequantize(quantize(w)) is w's MXFP4 approximation."""
+    import torch
+
     if weight.shape[-1] % BLOCK:
         raise UserError(f"MXFP4 needs the last dimension to be a multiple of {BLOCK}, got {weight.shape[-1]}")
     w = weight.float().reshape(*weight.shape[:-1], -1, BLOCK)
@@ -53,9 +71,9 @@ def check_sources(ckpt: HFCheckpoint, names: tuple[str, ...]) -> None:
     """Refuse MXFP4 blocks or scales not stored as uint8, and a scales shape that does not match its blocks."""
     blocks, scales = (ckpt.tensors[n] for n in names)
     for info in (blocks, scales):
-        if info.dtype != torch.uint8:
+        if info.code != "U8":
             raise UserError(
-                f"{ckpt.files[info.name]}: MXFP4 tensor {info.name} is {str(info.dtype).removeprefix('torch.')}, "
+                f"{ckpt.files[info.name]}: MXFP4 tensor {info.name} is {TORCH_NAMES[info.code]}, "
                 "expected uint8 (packed E2M1 values or E8M0 scales); re-export the checkpoint"
             )
     if len(blocks.shape) < 2 or blocks.shape[-1] != BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):

@@ -20,13 +20,12 @@ config says) and keep `hidden_act: silu` (it writes `swiglu`). Shared experts (Q
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from toolchain.checkpoint import moe
 from toolchain.checkpoint.hf_fields import boolean, positive_int
 from toolchain.checkpoint.llama import DROPPED, llama_style_config
-from toolchain.checkpoint.sharding import Rule
-from toolchain.checkpoint.spec import ModelSpec
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
 
@@ -56,29 +55,25 @@ def dense_layers(hf: dict[str, Any], layers: int, source: str) -> list[int]:
 
 def config_from_hf(hf: dict[str, Any], dtype: str, source: str) -> ModelConfig:
     moe.refuse_set(hf, source, "shared_expert_intermediate_size", "shared experts")
-    experts = moe.expert_count(hf, source, ("num_experts", "num_local_experts"))
-    top_k = positive_int(hf, "num_experts_per_tok", source)
-    size = positive_int(hf, "moe_intermediate_size", source)
     layers = positive_int(hf, "num_hidden_layers", source)
     renormalise = boolean(hf, "norm_topk_prob", source)
-    fields = {
-        "qwen_type": "qwen3_moe",
-        **moe.moe_fields(experts, top_k, renormalise, size, dense_layers(hf, layers, source), source),
-    }
+    dense = dense_layers(hf, layers, source)
+    experts = moe.hf_moe_fields(
+        hf, source, ("num_experts", "num_local_experts"), "moe_intermediate_size", renormalise, dense
+    )
     slides = boolean(hf, "use_sliding_window", source)
     window = positive_int(hf, "sliding_window", source, 4096) if slides else None
     return llama_style_config(
-        hf, dtype, source, "Qwen3MoeForCausalLM", qk_layernorm=True, sliding_window=window, family_fields=fields
+        hf,
+        dtype,
+        source,
+        "Qwen3MoeForCausalLM",
+        qk_layernorm=True,
+        sliding_window=window,
+        family_fields={"qwen_type": "qwen3_moe", **experts},
     )
 
 
-def spec(cfg: ModelConfig) -> ModelSpec:
-    return moe.moe_spec(cfg)
-
-
-def weight_table(cfg: ModelConfig, available: set[str]) -> list[Rule]:
-    return moe.weight_table(cfg, available, NAMES)
-
-
-def source_shapes(cfg: ModelConfig, available: set[str]) -> dict[str, tuple[int, ...]]:
-    return moe.source_shapes(cfg, available, NAMES)
+spec = moe.moe_spec
+weight_table = partial(moe.weight_table, names=NAMES)
+source_shapes = partial(moe.source_shapes, names=NAMES)

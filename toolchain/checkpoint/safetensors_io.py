@@ -7,6 +7,10 @@ with `pread` into a fresh buffer, and the writer lays out the header from the pl
 and then streams each tensor's bytes. Format (huggingface/safetensors
 README): u64 little-endian header length N, N bytes of JSON header {name: {dtype, shape, data_offsets}},
 optional "__metadata__" of str->str, then the data buffer; offsets are relative to the buffer start.
+
+Tensors are numpy arrays here (`read_array`; ml_dtypes supplies bfloat16 and float8, which numpy lacks), so that
+`convert` runs without importing torch, whose import alone costs about 230 MiB of RSS; `read_tensor` and the
+torch dtypes of `TensorInfo.dtype` are the same bytes seen as torch tensors, for the stages that compute in torch.
 """
 
 from __future__ import annotations
@@ -19,42 +23,94 @@ import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-import torch
+import ml_dtypes
+import numpy as np
 
 from toolchain.errors import UserError
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
+if TYPE_CHECKING:
+    import torch
+
+# The safetensors dtype codes we read and write -> torch's name for the dtype, and numpy's dtype.
+TORCH_NAMES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
 }
-DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+NUMPY_DTYPES: dict[str, np.dtype[Any]] = {
+    "F64": np.dtype(np.float64),
+    "F32": np.dtype(np.float32),
+    "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32),
+    "I16": np.dtype(np.int16),
+    "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8),
+    "BOOL": np.dtype(np.bool_),
+}
+FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3")
+_CODES = {dtype: code for code, dtype in NUMPY_DTYPES.items()} | {name: code for code, name in TORCH_NAMES.items()}
 _MAX_HEADER = 100 * 1024 * 1024  # the safetensors library's own limit
 _WRITEBACK_MIN = 4 << 20
 
 
-@dataclass(frozen=True)
+def code_of(dtype: torch.dtype | np.dtype[Any] | str) -> str:
+    """The safetensors code ("BF16") of a torch dtype, a numpy dtype, torch's dtype name ("bfloat16") or a code."""
+    key = dtype if isinstance(dtype, np.dtype) else str(dtype).removeprefix("torch.")
+    code = key if isinstance(key, str) and key in TORCH_NAMES else _CODES.get(key)
+    if code is None:
+        raise ValueError(f"dtype {dtype} has no safetensors code; supported: {', '.join(TORCH_NAMES.values())}")
+    return code
+
+
+def torch_dtype(code: str) -> torch.dtype:
+    import torch  # only the stages that compute in torch ask
+
+    dtype: torch.dtype = getattr(torch, TORCH_NAMES[code])
+    return dtype
+
+
+@dataclass(frozen=True, init=False)
 class TensorInfo:
-    """One tensor as a safetensors header declares it."""
+    """One tensor as a safetensors header declares it. Made from any dtype `code_of` takes; `code` is the
+    safetensors dtype, `dtype` the torch one (torch is imported on first use), `numpy_dtype` numpy's."""
 
     name: str
-    dtype: torch.dtype
+    code: str
     shape: tuple[int, ...]
     file_offset: int = 0  # absolute position of the first byte in the file
 
+    def __init__(
+        self, name: str, dtype: torch.dtype | np.dtype[Any] | str, shape: tuple[int, ...], file_offset: int = 0
+    ) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "code", code_of(dtype))
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "file_offset", file_offset)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch_dtype(self.code)
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return NUMPY_DTYPES[self.code]
+
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.numpy_dtype.itemsize
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -81,7 +137,9 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     data_len = size - 8 - n
     for name, entry in header.items():
         try:
-            dtype = DTYPES[entry["dtype"]]
+            dtype = entry["dtype"]
+            if dtype not in TORCH_NAMES:
+                raise KeyError(dtype)
             shape = tuple(int(d) for d in entry["shape"])
             begin, end = (int(o) for o in entry["data_offsets"])
         except (KeyError, TypeError, ValueError) as e:
@@ -110,12 +168,12 @@ def _check_layout(path: Path, infos: dict[str, TensorInfo], data_start: int, siz
         raise UserError(f"{path}: {size - position} bytes after the last tensor; {fix}")
 
 
-def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
+def read_array(file: io.BufferedReader, info: TensorInfo) -> np.ndarray[Any, Any]:
     """Read one tensor with positioned reads into a fresh buffer: memory use is that tensor, nothing more
     (an mmap'ed file would count every page touched so far towards the process's RSS), and `pread` keeps no
     shared file position, so worker threads can read from one handle at once."""
-    buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    view = buf.numpy().data.cast("B")
+    buf = np.empty(info.nbytes, dtype=np.uint8)
+    view = buf.data.cast("B")
     done = 0
     while done < info.nbytes:  # the kernel returns at most ~2 GiB per call
         n = os.preadv(file.fileno(), [view[done:]], info.file_offset + done)
@@ -124,7 +182,22 @@ def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
                 f"{file.name}: tensor {info.name} could not be read in full; the file changed or is damaged"
             )
         done += n
-    return buf.view(info.dtype).reshape(info.shape)
+    return buf.view(info.numpy_dtype).reshape(info.shape)
+
+
+def read_tensor(file: io.BufferedReader, info: TensorInfo) -> torch.Tensor:
+    """`read_array` as a torch tensor over the same buffer."""
+    import torch
+
+    data = read_array(file, TensorInfo(info.name, "U8", (info.nbytes,), info.file_offset))
+    return torch.from_numpy(data).view(info.dtype).reshape(info.shape)
+
+
+def as_array(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
+    """A CPU torch tensor's bytes as a numpy array of its dtype (bfloat16 and float8 through ml_dtypes), no copy."""
+    code = code_of(tensor.dtype)
+    raw = tensor.detach().contiguous().reshape(-1).view(torch_dtype("U8")).numpy()
+    return raw.view(NUMPY_DTYPES[code]).reshape(tuple(tensor.shape))
 
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -142,7 +215,7 @@ class SafetensorsWriter:
         offset = 0
         for info in infos:
             header[info.name] = {
-                "dtype": DTYPE_NAMES[info.dtype],
+                "dtype": info.code,
                 "shape": list(info.shape),
                 "data_offsets": [offset, offset + info.nbytes],
             }
@@ -172,16 +245,17 @@ class SafetensorsWriter:
     def sha256(self) -> str:
         return self._digest.hexdigest()
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
+    def write(self, name: str, tensor: torch.Tensor | np.ndarray[Any, Any]) -> None:
+        """Append `tensor` (a numpy array or a CPU torch tensor) as the next planned tensor."""
         if not self._pending:
             raise RuntimeError(f"{self._path}: tensor {name} written but none are left in the plan")
         info = self._pending.pop(0)
         assert name == info.name, f"write order: expected {info.name}, got {name}"
-        assert tensor.dtype == info.dtype and tuple(tensor.shape) == info.shape, (
-            f"{name}: planned {info.dtype}{list(info.shape)}, got {tensor.dtype}{list(tensor.shape)}"
+        array = tensor if isinstance(tensor, np.ndarray) else as_array(tensor)
+        assert array.dtype == info.numpy_dtype and array.shape == info.shape, (
+            f"{name}: planned {info.code}{list(info.shape)}, got {array.dtype}{list(array.shape)}"
         )
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._put(flat.numpy().data)
+        self._put(np.ascontiguousarray(array).reshape(-1).view(np.uint8).data)
 
     def close(self) -> None:
         self._file.flush()

@@ -16,6 +16,8 @@ _utils.py::pad_vocab_size):
   zero-padded to a multiple of tp rows, then split on dim 0.
 - A mixture-of-experts layer's router and stacked experts ("experts") are not split yet: tp > 1 is refused for a
   model with one (issue 26's later slice: TensorRT-LLM's moe_tp / moe_ep modes).
+
+`shard` splits convert's numpy arrays; `unshard` joins the torch tensors the reference forward loads.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+import numpy as np
 
 from toolchain.checkpoint.spec import FFN, DenseFFN, ExpertsFFN, experts_unsupported
 from toolchain.checkpoint.trtllm import ModelConfig
 from toolchain.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 Split = Literal["replicate", "column", "row", "qkv", "vocab", "gate_up", "experts"]
 _LAYER = re.compile(r"transformer\.layers\.(\d+)\.(.+)")
@@ -84,7 +89,7 @@ class Rule:
     halves_swapped: bool = False  # the two halves of dim 0 exchanged (Phi-3: HF's [gate; up] -> [up; gate])
     ffn: FFN | None = None  # the feed-forward block the tensor belongs to, which says how it splits (`ffn_split`)
     experts: int = 0
-    dtype: torch.dtype | None = None
+    dtype: str | None = None  # a checkpoint dtype name (trtllm.DTYPES)
     # One source holding every expert (gpt-oss) instead of one per expert: "stacked", a tensor [E, ...] (`transpose`
     # swaps its last two dims: [E, in, out] -> [E, out, in]); "mxfp4", the (blocks, scales) pair of one in MXFP4,
     # dequantized to [E, out, in] (docs/conversion.md). `interleaved`: dim 1 alternates gate and up rows (even the
@@ -193,38 +198,48 @@ def _qkv_heads(cfg: ModelConfig, tp: int) -> tuple[int, int]:
     return cfg.num_attention_heads // tp, max(cfg.num_key_value_heads // tp, 1)
 
 
-def shard(tensor: torch.Tensor, split: Split, cfg: ModelConfig, tp: int, rank: int) -> torch.Tensor:
+Array = np.ndarray[Any, Any]
+
+
+def _chunk(array: Array, parts: int, index: int, axis: int = 0) -> Array:
+    """`torch.chunk(parts, axis)[index]`: chunks of ceil(n / parts) along `axis`, a view."""
+    size = -(-array.shape[axis] // parts)
+    return array[(slice(None),) * axis + (slice(index * size, (index + 1) * size),)]
+
+
+def shard(tensor: Array, split: Split, cfg: ModelConfig, tp: int, rank: int) -> Array:
     """The slice of `tensor` that TP rank `rank` holds (contiguous)."""
-    if tp == 1 or split == "replicate" or (split == "row" and tensor.dim() == 1):
+    if tp == 1 or split == "replicate" or (split == "row" and tensor.ndim == 1):
         return tensor
     if split == "experts":
         raise _experts_unsplit(tp)
     if split == "row":
-        return tensor.chunk(tp, dim=1)[rank].contiguous()
+        return np.ascontiguousarray(_chunk(tensor, tp, rank, axis=1))
     if split == "vocab":
         pad = padded_vocab(tensor.shape[0], tp) - tensor.shape[0]
         if pad:
-            tensor = torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])])
-        return tensor.chunk(tp, dim=0)[rank].contiguous()
+            tensor = np.concatenate([tensor, np.zeros((pad, *tensor.shape[1:]), tensor.dtype)])
+        return np.ascontiguousarray(_chunk(tensor, tp, rank))
     if split == "qkv":
         d = cfg.head_size
-        q, k, v = torch.split(
-            tensor, [cfg.num_attention_heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d]
-        )
+        q_rows, kv_rows = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        q, k, v = tensor[:q_rows], tensor[q_rows : q_rows + kv_rows], tensor[q_rows + kv_rows :]
         kv = cfg.num_key_value_heads
         if kv >= tp:
-            k, v = k.chunk(tp)[rank], v.chunk(tp)[rank]
+            k, v = _chunk(k, tp, rank), _chunk(v, tp, rank)
         else:  # replicate: rank r holds KV head r // (tp / kv)
             head = rank // (tp // kv)
             k, v = k[head * d : (head + 1) * d], v[head * d : (head + 1) * d]
-        return torch.cat([q.chunk(tp)[rank], k, v]).contiguous()
+        return np.concatenate([_chunk(q, tp, rank), k, v])
     if split == "gate_up":
-        return torch.cat([half.chunk(tp)[rank] for half in tensor.chunk(2)]).contiguous()
-    return tensor.chunk(tp, dim=0)[rank].contiguous()
+        return np.concatenate([_chunk(_chunk(tensor, 2, half), tp, rank) for half in range(2)])
+    return np.ascontiguousarray(_chunk(tensor, tp, rank))
 
 
 def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows: int) -> torch.Tensor:
     """Inverse of `shard` over all TP ranks (drops vocab padding and repeated KV heads)."""
+    import torch
+
     tp = len(parts)
     if tp == 1 or split == "replicate" or (split == "row" and parts[0].dim() == 1):
         return parts[0]

@@ -17,20 +17,21 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from toolchain.checkpoint.hf import load_json
-from toolchain.checkpoint.safetensors_io import read_header, read_tensor
+from toolchain.checkpoint.safetensors_io import NUMPY_DTYPES, read_header, read_tensor
+from toolchain.checkpoint.safetensors_io import torch_dtype as torch_dtype_of
 from toolchain.errors import UserError
 
+if TYPE_CHECKING:
+    import torch
+
 CONFIG_NAME = "config.json"
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
+# The checkpoint dtypes -> their safetensors codes.
+DTYPES: dict[str, str] = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def rank_file(rank: int) -> str:
@@ -142,7 +143,11 @@ class ModelConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype_of(DTYPES[self.dtype])
+
+    @property
+    def numpy_dtype(self) -> np.dtype[Any]:
+        return NUMPY_DTYPES[DTYPES[self.dtype]]
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
