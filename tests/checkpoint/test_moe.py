@@ -232,7 +232,7 @@ def test_what_does_not_run_experts_yet_says_so(converted: dict[str, tuple[Path, 
     hf, ckpt = converted["mixtral"]
     what_runs = r"convert \(tp=1\), the reference forward and the CPU engine run routed experts \(gpt-oss's included\)"
     with pytest.raises(UserError, match=r"--tp 2, layer 0: mixture-of-experts layers \(8 experts, top 2\) are not "
-                       r"supported here yet \(issue 26\): " + what_runs):  # fmt: skip
+                       r"supported here yet: " + what_runs):  # fmt: skip
         convert(hf, tmp_path / "tp2", tp=2)
     with pytest.raises(UserError, match=r"tensor parallelism \(tp=2\) of mixture-of-experts tensors"):
         shard(torch.zeros(8, 4, 4), "experts", read_config(ckpt), 2, 0)

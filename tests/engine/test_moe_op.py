@@ -408,7 +408,7 @@ def test_moe_graph_layout_and_the_tensorrt_refusal(tmp_path: Path, moe_family: N
         build_plan(path, tmp_path, limits, 3, (2, 2, 16, 8))
     assert str(e.value) == (
         f"--backend tensorrt: {path} has 2 mixture-of-experts layers (transformer.layers.0.mlp, ...), and the "
-        "trtbuild::MoE op has no TensorRT kernel yet (issue 26); build the CPU engine with --backend onnxruntime"
+        "trtbuild::MoE op has no TensorRT plugin yet; build the CPU engine with --backend onnxruntime"
     )
 
     weights["transformer.layers.2.mlp.proj.weight"] = weights["transformer.layers.2.mlp.proj.weight"][:, :, 1:]

@@ -15,7 +15,7 @@ _utils.py::pad_vocab_size):
 - lm_head, the embedding (use_parallel_embedding, sharding dim 0) and GPT's position embedding are
   zero-padded to a multiple of tp rows, then split on dim 0.
 - A mixture-of-experts layer's router and stacked experts ("experts") are not split yet: tp > 1 is refused for a
-  model with one (issue 26's later slice: TensorRT-LLM's moe_tp / moe_ep modes).
+  model with one (issue 27: TensorRT-LLM's moe_tp / moe_ep modes).
 
 `shard` splits convert's numpy arrays; `unshard` joins the torch tensors the reference forward loads.
 """
@@ -137,7 +137,7 @@ def _check_experts_unsplit(cfg: ModelConfig, tp: int, source: str) -> None:
 
 def _experts_unsplit(tp: int) -> UserError:
     return UserError(
-        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (issue 26); convert with tp=1"
+        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (multi-rank engines: issue 27); convert with tp=1"
     )
 
 

@@ -184,10 +184,10 @@ FFN = DenseFFN | ExpertsFFN  # a layer's feed-forward block
 
 
 def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
-    """The error a stage raises where it meets an ExpertsFFN it does not run yet (issue 26 lands MoE in slices)."""
+    """The error a stage raises where it meets an ExpertsFFN it does not run yet."""
     return UserError(
         f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
-        "yet (issue 26): convert (tp=1), the reference forward and the CPU engine run routed experts (gpt-oss's "
+        "yet: convert (tp=1), the reference forward and the CPU engine run routed experts (gpt-oss's "
         "included), every quantize method quantizes them (AWQ, SmoothQuant and fp8 with routed calibration); shared "
         "experts, tensor or expert parallelism and the TensorRT backend do not. Use a tp=1 checkpoint on the "
         "onnxruntime backend, or a dense model"

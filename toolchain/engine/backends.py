@@ -109,7 +109,7 @@ TENSORRT = Backend(
     compatibility=_tensorrt_versions,
     runtime_version=lambda: None,
     open=_open_tensorrt,
-    experts_why_not="the trtbuild::MoE op has no TensorRT kernel yet (issue 26)",
+    experts_why_not="the trtbuild::MoE op has no TensorRT plugin yet",
 )
 ONNXRUNTIME = Backend(
     name="onnxruntime",

@@ -92,13 +92,13 @@ def _profile_shapes(
 
 
 def refuse_moe(graph: onnx.ModelProto, onnx_path: Path) -> None:
-    """No TensorRT kernel for the MoE op yet (a Triton grouped-GEMM kernel is a later slice of issue 26): one line
+    """No TensorRT kernel for the MoE op yet (the Triton grouped-GEMM kernel runs in CI and compiles, but is not registered with TensorRT: docs/engine.md): one line
     instead of a parser or plugin-registry failure."""
     layers = [n.name.split("/")[0] for n in graph.graph.node if n.domain == PLUGIN_DOMAIN and n.op_type == MOE_OP]
     if layers:
         raise UserError(
             f"--backend tensorrt: {onnx_path} has {len(layers)} mixture-of-experts layers ({layers[0]}, ...), and "
-            f"the trtbuild::{MOE_OP} op has no TensorRT kernel yet (issue 26); build the CPU engine with "
+            f"the trtbuild::{MOE_OP} op has no TensorRT plugin yet; build the CPU engine with "
             "--backend onnxruntime"
         )
 
