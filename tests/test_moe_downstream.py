@@ -259,10 +259,10 @@ def test_moe_convert_memory_grows_with_a_layer_not_the_model(tmp_path: Path) -> 
 @pytest.mark.parametrize("name", ["tiny-moe.yaml", "qwen3-30b-a3b-gpu.yaml", "gpt-oss-20b-gpu.yaml"])
 def test_moe_recipes_validate(name: str) -> None:
     """Through the pydantic model the recipe's JSON Schema is generated from (`trtbuild recipe schema`); the GPU
-    recipes are not run here (no such model, no GPU), the gpt-oss one not anywhere yet (see its comment)."""
+    recipes are not run here (no such model, no GPU; see their comments)."""
     loaded = load_recipe(REPO / "recipes" / name)
     assert loaded.recipe.build is not None and loaded.recipe.eval is not None
-    assert loaded.recipe.quantize is None  # expert quantization: a later slice of issue 26
+    assert loaded.recipe.quantize is None  # float recipes; their comments say how to quantize the experts
     assert loaded.recipe.build.backend == ("auto" if name == "tiny-moe.yaml" else "tensorrt")
 
 
