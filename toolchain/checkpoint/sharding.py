@@ -137,7 +137,8 @@ def _check_experts_unsplit(cfg: ModelConfig, tp: int, source: str) -> None:
 
 def _experts_unsplit(tp: int) -> UserError:
     return UserError(
-        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (multi-rank engines: issue 27); convert with tp=1"
+        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (multi-rank engines: "
+        "issue 27); convert with tp=1"
     )
 
 

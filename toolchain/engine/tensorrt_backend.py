@@ -92,8 +92,8 @@ def _profile_shapes(
 
 
 def refuse_moe(graph: onnx.ModelProto, onnx_path: Path) -> None:
-    """No TensorRT kernel for the MoE op yet (the Triton grouped-GEMM kernel runs in CI and compiles, but is not registered with TensorRT: docs/engine.md): one line
-    instead of a parser or plugin-registry failure."""
+    """No TensorRT kernel for the MoE op yet (the Triton grouped-GEMM kernel runs in CI and compiles, but is not
+    registered with TensorRT: docs/engine.md): one line instead of a parser or plugin-registry failure."""
     layers = [n.name.split("/")[0] for n in graph.graph.node if n.domain == PLUGIN_DOMAIN and n.op_type == MOE_OP]
     if layers:
         raise UserError(
