@@ -217,7 +217,8 @@ def grid(s: Stage, num_tokens: Any) -> tuple[Any, Any, Any]:
     """(expert, tile of BLOCK_M of its assignments, tile of output columns): an expert takes each token at most
     once, so ceil(T / BLOCK_M) tiles cover any expert's count; the tiles past it return at once."""
     _, n, _ = _dims(s)
-    return s.moe.number_of_experts, -(-num_tokens // BLOCK_M), -(-n // _block(n))
+    # (T + BLOCK_M - 1) // BLOCK_M, not -(-T // BLOCK_M): TensorRT's shape expressions have + and // but no negation
+    return s.moe.number_of_experts, (num_tokens + BLOCK_M - 1) // BLOCK_M, -(-n // _block(n))
 
 
 def dot_fp32(activation: str) -> bool:
