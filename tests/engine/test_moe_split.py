@@ -217,13 +217,23 @@ def test_complete_plugin_fields_splits_the_copy_and_leaves_the_graph() -> None:
     }  # fmt: skip
 
 
+ENGINE_CASES = [
+    ("mixtral-top2-of-8", "torch"),
+    ("qwen3-moe-unnormalised-step2", "torch"),
+    ("gpt-oss-every-feature", "torch"),
+    ("mixtral-top2-of-8", "kernels"),
+    ("gpt-oss-every-feature", "kernels"),
+]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral-top2-of-8", "qwen3-moe-unnormalised-step2", "gpt-oss-every-feature"])
+@pytest.mark.parametrize(("case", "impls"), ENGINE_CASES)
 def test_a_moe_engine_with_its_graph_split_gives_the_same_logits(
-    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    case: str, impls: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The CPU engine on the split graph (the graph TensorRT would parse, its MoE plugins run by their torch
-    definitions) against the same engine on the MoE op: fp32 logits within 1e-4 of their scale, the same top-1."""
+    definitions, or by the Triton sort and experts kernels under the interpreter, one launch per plugin node)
+    against the same engine on the MoE op: fp32 logits within 1e-4 of their scale, the same top-1."""
     from models import build, run_alone, save_case
 
     from toolchain.checkpoint.convert import convert
@@ -238,13 +248,24 @@ def test_a_moe_engine_with_its_graph_split_gives_the_same_logits(
     layers = sum(n.op_type == MOE_OP for n in model.graph.node)
     (tmp_path / "split").mkdir()
     onnx.save(moe_split.split_moe(model), str(tmp_path / "split" / MODEL_NAME))
-    for op, fn in moe_split.REFERENCES.items():
-        monkeypatch.setitem(ort_backend.OPS, op, fn)
+    chosen = moe_split.REFERENCES if impls == "torch" else KERNELS
+    called: list[str] = []
+
+    def plugin(op: str) -> Callable[..., Any]:
+        def run(a: MoEAttrs, *inputs: torch.Tensor, memo: Any = None) -> Any:
+            called.append(op)
+            return chosen[op](a, *inputs)
+
+        return run
+
+    for op in moe_split.SPLIT_OPS:
+        monkeypatch.setitem(ort_backend.OPS, op, plugin(op))
         monkeypatch.setitem(ort_backend.OP_ATTRS, op, MoEAttrs)
         monkeypatch.setitem(ops.OP_FIELDS, op, OP_FIELDS[MOE_OP])
     split = ort_backend.OrtEngine(dataclasses.replace(engine.spec, engine_dir=tmp_path / "split"))
     assert sum(getattr(s, "op", None) == moe_split.SORT_OP for s in split.steps) == layers > 0
     got = run_alone(split, ids)
+    assert len(called) == 3 * layers and called[0] == moe_split.SORT_OP  # every layer's three plugins ran
     scale = float(np.abs(want).max())
     assert np.abs(got - want).max() <= 1e-4 * scale, (np.abs(got - want).max(), scale)
     assert (got.argmax(-1) == want.argmax(-1)).all()
