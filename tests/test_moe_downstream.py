@@ -18,12 +18,10 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import convert_fails, edit_config, nothing_written, one_line_error
+from conftest import convert_fails, edit_config, one_line_error
 
 from toolchain.checkpoint.tiny import MOE_CONFIG, make_tiny_moe
 from toolchain.engine import backends
-from toolchain.engine.build import BuildOptions, build_engine
-from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
 from toolchain.recipe import load_recipe
 
@@ -171,20 +169,14 @@ def tensorrt_here(monkeypatch: pytest.MonkeyPatch) -> backends.Backend:
     return present
 
 
-def test_auto_builds_the_cpu_engine_for_moe_and_says_why(tensorrt_here: backends.Backend) -> None:
+def test_auto_and_tensorrt_take_moe_where_tensorrt_can_build(tensorrt_here: backends.Backend) -> None:
+    """The MoE op runs on TensorRT as split plugins (engine/moe_split.py): auto and --backend tensorrt choose it
+    for an MoE model as for a dense one, with no warning; where TensorRT cannot build, auto falls back as before."""
     record = StageRecord("build")
     assert backends.choose("auto", record, experts=0) is tensorrt_here and not record.warnings  # dense: unchanged
-    assert backends.choose("auto", record, experts=3) is backends.ONNXRUNTIME
-    (note,) = record.warnings
-    assert "3 mixture-of-experts layers" in note and "no TensorRT kernel" in note and "CPU engine" in note
-
-
-def test_tensorrt_by_name_refuses_moe_before_exporting(
-    tensorrt_here: backends.Backend, runs: dict[str, Any], tmp_path: Path
-) -> None:
-    with pytest.raises(UserError, match=r"--backend tensorrt: the model has 3 mixture-of-experts layers.*onnxruntime"):
-        build_engine(runs["root"] / "a" / "checkpoint", tmp_path / "e", BuildOptions(backend="tensorrt"))
-    nothing_written(tmp_path / "e")
+    assert backends.choose("auto", record, experts=3) is tensorrt_here and not record.warnings
+    assert backends.choose("tensorrt", record, experts=3) is tensorrt_here
+    assert backends.TENSORRT.experts_why_not is None
 
 
 # -- what is refused meanwhile ------------------------------------------------------------------------------------

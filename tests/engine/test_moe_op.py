@@ -373,9 +373,9 @@ def test_cpu_engine_runs_moe_layers_as_the_dense_mixture(
 
 def test_moe_graph_layout_and_the_tensorrt_refusal(tmp_path: Path, moe_family: None) -> None:
     """A bf16 export: one trtbuild::MoE node per sparse layer with the ExpertsFFN's fields, the router in float32
-    and the experts in the engine dtype; the dense layer keeps its three Gemms. The TensorRT backend refuses the
-    graph in one line before needing TensorRT; experts that disagree with the config, or a quantized router, are
-    refused."""
+    and the experts in the engine dtype; the dense layer keeps its three Gemms. The TensorRT backend takes the
+    graph (its MoE nodes split into plugins) but refuses experts with input quantization in one line before needing
+    TensorRT; experts that disagree with the config, or a quantized router, are refused."""
     from toolchain.checkpoint.trtllm import load_rank, read_config
     from toolchain.engine.api import Limits
     from toolchain.engine.export import export_model
@@ -404,12 +404,18 @@ def test_moe_graph_layout_and_the_tensorrt_refusal(tmp_path: Path, moe_family: N
     path = tmp_path / "model.onnx"
     path.write_bytes(model.SerializeToString())
     limits = Limits(max_batch_size=1, max_num_tokens=8, max_seq_len=8, tokens_per_block=16, num_blocks=1)
+    with pytest.raises(UserError) as e:  # the MoE layers pass (split into plugins); TensorRT's absence stops it
+        build_plan(path, tmp_path, limits, 3, (2, 2, 16, 8))
+    assert str(e.value).startswith("--backend tensorrt: ") and "mixture-of-experts" not in str(e.value)
+    assert "MoE" not in str(e.value)
+    nodes[1].attribute.append(onnx.helper.make_attribute("int8_inputs", 1))  # w8a8_sq experts: no kernel
+    path.write_bytes(model.SerializeToString())
     with pytest.raises(UserError) as e:
         build_plan(path, tmp_path, limits, 3, (2, 2, 16, 8))
-    assert str(e.value) == (
-        f"--backend tensorrt: {path} has 2 mixture-of-experts layers (transformer.layers.0.mlp, ...), and the "
-        "trtbuild::MoE op has no TensorRT plugin yet; build the CPU engine with --backend onnxruntime"
-    )
+    assert str(e.value).startswith(
+        f"--backend tensorrt: {path}: transformer.layers.2.mlp: the MoE op's int8_inputs (w8a8_sq experts) has no "
+        "TensorRT kernel yet"
+    ) and str(e.value).endswith("--backend onnxruntime")
 
     weights["transformer.layers.2.mlp.proj.weight"] = weights["transformer.layers.2.mlp.proj.weight"][:, :, 1:]
     with pytest.raises(UserError, match=r"mlp.proj.weight is \(6, 64, 39\), layer 2's experts need \(6, 64, 40\)"):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import toolchain.plugins
-from toolchain.engine import tensorrt_backend
+from toolchain.engine import moe_split, tensorrt_backend
 from toolchain.engine.api import EngineSpec, open_engine
 from toolchain.engine.contract import CONTRACT_VERSION, INPUTS, OUTPUTS, Batch
 from toolchain.engine.tensorrt_runtime import TrtEngine
@@ -30,7 +30,9 @@ from toolchain.manifest import StageRecord
 H200 = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
 VOCAB, TPB, BLOCKS = 11, 4, 8
 # every plugin the registration registers; attention with sinks (a seventh input) is a plugin of its own
-PLUGINS = {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention", "trtbuild::PagedAttentionSinks"}
+PLUGINS = {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention", "trtbuild::PagedAttentionSinks"} | {
+    f"trtbuild::{op}" for op in moe_split.SPLIT_OPS
+}  # the MoE op's split plugins: MoESort and the fc / proj stages in four input lists each
 
 
 def write_engine_dir(path: Path) -> Path:

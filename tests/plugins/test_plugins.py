@@ -30,7 +30,7 @@ from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, MoEAttrs, kv_cache_w
 from toolchain.errors import UserError
 from toolchain.plugins import compile as aot
 from toolchain.plugins import ptx as ptxtext
-from toolchain.plugins.kernels import COMPILED, KERNELS, common, moe
+from toolchain.plugins.kernels import COMPILED, KERNELS, common, moe, moe_sort
 
 ROOT = Path(__file__).resolve().parents[2]
 VECTORS = sorted((ROOT / "tests" / "vectors").glob("*.npz"))
@@ -104,6 +104,8 @@ def test_ptx_entries_take_exactly_what_tensorrt_passes(compiled: dict[str, Any])
         if op in KERNELS:
             inputs = 6 + (op == "PagedAttention" and variants[name].attrs.sinks)
             assert expected == ["u64 ptr"] * inputs + ["u32"] * len(common.SCALARS) + ["u64 ptr"]
+        elif op == moe_sort.OP:  # the routing's experts, the token count, assignments and offsets
+            assert expected == ["u64 ptr", "u32", "u64 ptr", "u64 ptr"]
         else:
             assert expected == ["u64 ptr"] * (6 + variants[name].attrs.moe.use_bias)
         text = Path(r["ptx"]).read_text()
@@ -192,7 +194,10 @@ def test_the_variants_take_every_code_path_of_the_attributes() -> None:
     for act in ("float16", "bfloat16"):
         assert {(act, act), (act, "int8"), (act, "fp8")} <= pairs
     experts = [v for v in aot.VARIANTS if v.ops == (moe.OP,)]
-    assert len(attention) + len(experts) == len(aot.VARIANTS)
+    sorts = [v for v in aot.VARIANTS if v.ops == (moe_sort.OP,)]
+    assert len(attention) + len(experts) + len(sorts) == len(aot.VARIANTS)
+    # the sort: 128 experts (E_BLOCK = E), 32, and 8; top 2 to 8
+    assert {(v.attrs.number_of_experts, v.attrs.top_k) for v in sorts} == {(128, 8), (32, 4), (8, 2)}
     qwen3 = MoEAttrs(number_of_experts=128, top_k=8, expert_hidden_size=2048, expert_inter_size=768)
     for act in ("float16", "bfloat16"):
         assert {(act, moe.Stage(qwen3, s)) for s in moe.STAGES} <= {(v.activation, v.attrs) for v in experts}

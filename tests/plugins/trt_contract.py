@@ -260,6 +260,11 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
 
         return named
 
+    def from_shape_expr(shape_expr: Any, dtype: DataType) -> TensorDesc:
+        """tensorrt.plugin.from_shape_expr: a TensorDesc of these dims (a tuple of ints / expressions) and type."""
+        return TensorDesc(list(shape_expr), dtype)
+
+    trtp.from_shape_expr = from_shape_expr  # type: ignore[attr-defined]
     trt.DataType = DataType  # type: ignore[attr-defined]
     trt.plugin = trtp  # type: ignore[attr-defined]
     for name in ("register", "autotune", "aot_impl"):

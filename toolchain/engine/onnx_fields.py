@@ -6,7 +6,8 @@ node"), then calls the registered functions without it. The TensorRT backend the
 here, in memory; the graph on disk stays as built. The CPU backend needs none of this (from_attributes defaults).
 
 A `tensorrt.plugin` plugin has a fixed input list, so attention with sinks (a seventh input, gpt-oss) is a plugin of
-its own: in that copy its PagedAttention nodes are renamed SINKS_PLUGIN (tensorrt_registration.py registers both)."""
+its own: in that copy its PagedAttention nodes are renamed SINKS_PLUGIN (tensorrt_registration.py registers both).
+A MoE node is split there into the router's ONNX ops and three one-launch plugins (engine/moe_split.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import onnx
 from onnx import helper
 
 from toolchain.engine.contract import ATTENTION_OP, PLUGIN_DOMAIN
+from toolchain.engine.moe_split import split_moe
 from toolchain.engine.ops import OMITTED_AT, OP_FIELDS
 
 SINKS_PLUGIN = "PagedAttentionSinks"  # TensorRT's name of a PagedAttention node with sinks=1 (seven inputs)
@@ -21,9 +23,11 @@ SINKS_PLUGIN = "PagedAttentionSinks"  # TensorRT's name of a PagedAttention node
 
 def complete_plugin_fields(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of `model` whose plugin nodes carry every field of their op, omitted ones at their OMITTED_AT value,
-    and whose attention nodes with sinks are SINKS_PLUGIN nodes."""
+    whose attention nodes with sinks are SINKS_PLUGIN nodes, and whose MoE nodes are split (moe_split.split_moe:
+    its plugin nodes carry every field already)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    split_moe(out)
     for node in out.graph.node:
         if node.domain != PLUGIN_DOMAIN or node.op_type not in OP_FIELDS:
             continue

@@ -230,5 +230,6 @@ class OrtEngine:
                 values.update(zip(step.outputs, results, strict=True))
                 continue
             out = OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache), memo=memo)
-            values[step.outputs[0]] = out.numpy()
+            outs = out if isinstance(out, tuple) else (out,)  # a plugin may have several outputs (MoESort's two)
+            values.update((name, o.numpy()) for name, o in zip(step.outputs, outs, strict=True))
         return values["logits"]

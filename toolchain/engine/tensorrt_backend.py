@@ -17,6 +17,7 @@ from typing import Any
 
 import onnx
 
+from toolchain.engine import moe_split
 from toolchain.engine.api import Limits
 from toolchain.engine.contract import PLUGIN_DOMAIN
 from toolchain.engine.onnx_fields import complete_plugin_fields
@@ -92,15 +93,14 @@ def _profile_shapes(
 
 
 def refuse_moe(graph: onnx.ModelProto, onnx_path: Path) -> None:
-    """No TensorRT plugin for the MoE op yet (its Triton grouped-GEMM kernel runs in CI and compiles, but is not
-    registered with TensorRT: docs/engine.md): one line instead of a parser or plugin-registry failure."""
-    layers = [n.name.split("/")[0] for n in graph.graph.node if n.domain == PLUGIN_DOMAIN and n.op_type == MOE_OP]
-    if layers:
-        raise UserError(
-            f"--backend tensorrt: {onnx_path} has {len(layers)} mixture-of-experts layers ({layers[0]}, ...), and "
-            f"the trtbuild::{MOE_OP} op has no TensorRT plugin yet; build the CPU engine with "
-            "--backend onnxruntime"
-        )
+    """What the MoE op's TensorRT plugins cannot run (engine/moe_split.py: the experts' fp8 / int8 input
+    quantization), in one line before TensorRT is needed, instead of a parser or plugin failure."""
+    for node in graph.graph.node:
+        if node.domain == PLUGIN_DOMAIN and node.op_type == MOE_OP:
+            try:
+                moe_split.refuse(moe_split.attrs_of(node), node.name.split("/")[0])
+            except UserError as e:
+                raise UserError(f"--backend tensorrt: {onnx_path}: {e}") from e
 
 
 def build_plan(

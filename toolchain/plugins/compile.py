@@ -34,7 +34,8 @@ from toolchain.plugins import ptx as ptxtext
 if TYPE_CHECKING:
     from toolchain.plugins.kernels.moe import Stage
 
-Attrs: TypeAlias = "AttentionAttrs | Stage"  # a plugin instance's attributes: an attention op's, or a MoE stage's
+# a plugin instance's attributes: an attention op's, a MoE stage's, or the MoE op's own (its routing sort)
+Attrs: TypeAlias = "AttentionAttrs | Stage | MoEAttrs"
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 
@@ -287,7 +288,7 @@ def compile_kernel(
 class Variant:
     """One plugin instance `plugins compile` compiles on every SM: a name, the activation dtype, the attributes,
     the kernels (ops) compiled for it: both attention-pool kernels of an AttentionAttrs, the MoE kernel of a
-    moe.Stage."""
+    moe.Stage, the routing sort of a MoEAttrs."""
 
     name: str
     activation: str
@@ -315,6 +316,13 @@ def _moe_variants(name: str, activation: str, attrs: MoEAttrs) -> tuple[Variant,
 
     short = _SHORT[activation]
     return tuple(Variant(f"{short}-moe-{name}-{s}", activation, moe.Stage(attrs, s), (moe.OP,)) for s in moe.STAGES)
+
+
+def _sort_variant(name: str, attrs: MoEAttrs) -> Variant:
+    """The routing sort of a MoE layer: int32 ids only, so one variant serves every activation dtype."""
+    from toolchain.plugins.kernels import moe_sort
+
+    return Variant(f"moe-{name}-sort", "float16", attrs, (moe_sort.OP,))
 
 
 def _variants() -> tuple[Variant, ...]:
@@ -348,6 +356,10 @@ def _variants() -> tuple[Variant, ...]:
         _variant("d64-sinks-window128", "bfloat16", "bfloat16", **_GPT_OSS_ATTENTION, sliding_window=128, sinks=1),
         _variant("d64-sinks", "bfloat16", "fp8", **_GPT_OSS_ATTENTION, sinks=1),
         *_moe_variants("gpt-oss", "bfloat16", _GPT_OSS_MOE),
+        # the routing sort (one program): 128 experts top 8, gpt-oss-20b's 32 top 4, 8 experts top 2
+        _sort_variant("qwen3", _QWEN3_MOE),
+        _sort_variant("gpt-oss", _GPT_OSS_MOE),
+        _sort_variant("small", MoEAttrs(8, 2, 96, 40)),
     )
 
 

@@ -17,6 +17,9 @@ names a PagedAttention node with sinks=1 `PagedAttentionSinks` (onnx_fields.SINK
 fixed, and attention with sinks takes a seventh, the heads' float32 sink logits, which the kernel takes as its
 seventh pointer (after the pool, before the int32 scalars).
 
+The MoE op is split in that copy too (engine/moe_split.py) into MoESort and the experts kernel's fc and proj stages,
+registered at the end of this module (nine plugins: the stages in four fixed input lists each).
+
 Tested without TensorRT against the `tensorrt.plugin` contract (tests/plugins/test_registration.py); not yet run
 with TensorRT: no machine of this project has had it.
 """
@@ -24,17 +27,19 @@ with TensorRT: no machine of this project has had it.
 # No `from __future__ import annotations`: tensorrt.plugin reads the decorated functions' annotations with
 # inspect.signature and checks them as classes (issubclass of TensorDesc, KernelLaunchParams, ...; its _validate.py).
 import importlib
+import inspect
 from dataclasses import MISSING, fields
 from typing import Any
 
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
+from toolchain.engine import moe_split
 from toolchain.engine.onnx_fields import SINKS_PLUGIN
-from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
+from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, MoEAttrs
 from toolchain.manifest import gpu_info
 from toolchain.plugins import launch
-from toolchain.plugins.kernels import common
+from toolchain.plugins.kernels import common, moe, moe_sort
 
 # TensorRT's type names (AutoTuneCombination strings; trt.DataType members) of the graph's tensors: activations in
 # the engine's float type; the pool in the activations' type, or INT8, or FP8 for the graph's FLOAT8E4M3FN
@@ -336,3 +341,204 @@ def _attention_sinks_impl(
 ) -> tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]:
     values = dict(locals())
     return aot("PagedAttention", q, new_lens, block_tables, kv_cache, values, sink_logits)  # type: ignore[no-any-return]
+
+
+# --- the MoE op's plugins (engine/moe_split.py): MoESort, and the experts kernel's fc and proj stages -----------------
+#
+# One plugin per fixed input list: MoESort (experts); MoEFc / MoEProj with "Bias" and / or "Prequant" appended when
+# the layer has biases / AWQ-SmoothQuant 1/s vectors (moe_split.stage_op). Nine plugins with the same fifteen
+# attributes (every MoE field, in MoEAttrs' order), so their functions are made here with explicit signatures
+# (`__signature__`, which inspect.signature — and so tensorrt.plugin's validation — reads) instead of written out
+# nine times.
+
+_P = inspect.Parameter
+_FIELD_TYPES = {"int": int, "float": float, "str": str}
+MOE_FIELDS = [(f.name, _FIELD_TYPES[str(f.type)]) for f in fields(MoEAttrs)]
+
+
+def _signature(inputs: list[str], tail: list[tuple[str, Any]], returns: Any, attrs: bool = True) -> inspect.Signature:
+    params = [_P(n, _P.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc) for n in inputs]
+    params += [_P(n, _P.POSITIONAL_OR_KEYWORD, annotation=t) for n, t in MOE_FIELDS] if attrs else []
+    params += [_P(n, _P.POSITIONAL_OR_KEYWORD, annotation=t) for n, t in tail]
+    return inspect.Signature(params, return_annotation=returns)
+
+
+def _function(name: str, sig: inspect.Signature, body: Any) -> Any:
+    """A function of signature `sig` calling body(arguments by name)."""
+
+    def fn(*args: Any, **kwargs: Any) -> Any:
+        return body(sig.bind(*args, **kwargs).arguments)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__signature__ = sig  # type: ignore[attr-defined]
+    return fn
+
+
+def moe_attrs(values: dict[str, Any]) -> MoEAttrs:
+    return MoEAttrs(**{n: values[n] for n, _ in MOE_FIELDS})
+
+
+def _check_entry(op: str, attrs: Any, activation: str, name: str, ptx: str) -> None:
+    """The PTX entry takes exactly the kernel module's runtime parameters (launch.check_ptx for any compiled op)."""
+    from toolchain.plugins.kernels import COMPILED
+
+    sig = COMPILED[op].signature(attrs, activation)
+    want = [".u64" if t.startswith("*") else ".u32" for t in sig.values() if t != "constexpr"]
+    got = [".u32" if t == ".s32" else t for t in launch.ptx_parameter_types(ptx, name)]
+    if got != want:
+        raise ValueError(
+            f"{op}: PTX entry {name} takes ({', '.join(got)}), TensorRT will pass ({', '.join(want)}): compile it "
+            "with toolchain.plugins.compile, which strips Triton's hidden scratch parameters"
+        )
+
+
+def _launch(op: str, attrs: Any, activation: str, grid: tuple[Any, Any, Any], scalars: list[Any]) -> Any:
+    """aot_impl's answer: (entry, PTX for the build GPU, KernelLaunchParams, SymIntExprs of the int32 scalars)."""
+    from toolchain.plugins.kernels import COMPILED, COMPILED_FUNCTIONS
+
+    kernel = compiled(op, attrs, activation)
+    name = str(COMPILED_FUNCTIONS[op].__name__)
+    if kernel.name != name:
+        raise RuntimeError(f"{op}: compiled entry {kernel.name!r} is not the launched kernel {name!r}")
+    _check_entry(op, attrs, activation, name, kernel.ptx)
+    params = trtp.KernelLaunchParams()
+    params.grid_x, params.grid_y, params.grid_z = grid
+    params.block_x = launch.WARP_SIZE * int(COMPILED[op].NUM_WARPS)
+    params.shared_mem = int(kernel.shared)
+    args = trtp.SymIntExprs(len(scalars))
+    for i, value in enumerate(scalars):
+        args[i] = trtp.SymInt32(value)
+    return name, kernel.ptx, params, args
+
+
+def _refuse_quantized_inputs(plugin: str, a: MoEAttrs) -> None:
+    if a.fp8_inputs or a.int8_inputs:
+        raise ValueError(
+            f"trtbuild::{plugin}: fp8_inputs {a.fp8_inputs} / int8_inputs {a.int8_inputs}: the experts kernel has no "
+            "input quantization (fp8 and w8a8_sq experts); build those on the CPU engine (--backend onnxruntime)"
+        )
+
+
+def _int32(desc: Any, what: str) -> None:
+    if desc.dtype != trt.DataType.INT32:
+        raise ValueError(f"{what} of type {desc.dtype}: expected INT32 (engine/moe_split.py casts TopK's indices)")
+
+
+_SORT = f"trtbuild::{moe_split.SORT_OP}"
+_SORT_SIG = _signature(["experts"], [], tuple[trtp.TensorDesc, trtp.TensorDesc])
+
+
+def _sort_desc(v: dict[str, Any]) -> tuple[Any, Any]:
+    """assignments [T * top_k] and offsets [E + 1], INT32."""
+    tokens = v["experts"].shape_expr[0]
+    return (
+        trtp.from_shape_expr((tokens * v["top_k"],), trt.DataType.INT32),
+        trtp.from_shape_expr((v["number_of_experts"] + 1,), trt.DataType.INT32),
+    )
+
+
+def _sort_impl(v: dict[str, Any]) -> Any:
+    a = moe_attrs(v)
+    _int32(v["experts"], f"{_SORT} experts")
+    tokens = v["experts"].shape_expr[0]
+    return _launch(moe_split.SORT_OP, a, "float16", moe_sort.grid(a, tokens), moe_sort.scalars(a, tokens))
+
+
+trtp.register(_SORT)(_function("_moe_sort_desc", _SORT_SIG, _sort_desc))
+trtp.autotune(_SORT)(
+    _function(
+        "_moe_sort_tune",
+        _signature(["experts"], [("outputs", tuple[trtp.TensorDesc, trtp.TensorDesc])],
+                   list[trtp.AutoTuneCombination], attrs=False),
+        lambda v: [trtp.AutoTuneCombination("INT32, INT32, INT32", "LINEAR")],
+    )
+)  # fmt: skip
+trtp.aot_impl(_SORT)(
+    _function(
+        "_moe_sort_impl",
+        _signature(["experts"], [("outputs", tuple[trtp.TensorDesc, trtp.TensorDesc]), ("tactic", int)],
+                   tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]),
+        _sort_impl,
+    )
+)  # fmt: skip
+
+
+def stage_inputs(stage: str, use_bias: bool, prequant: bool) -> list[str]:
+    """The stage plugin's inputs in order (the experts kernel's pointers before `out`)."""
+    src = "x" if stage == "fc" else "h"
+    return [src, "assignments", "offsets", "weights", f"{stage}_weight"] + (
+        [f"{stage}_bias"] if use_bias else []
+    ) + ([f"{stage}_prequant"] if prequant else [])  # fmt: skip
+
+
+def stage_combination(stage: str, activation: str, use_bias: bool, prequant: bool) -> str:
+    """An AutoTuneCombination string: src and weight (and bias) in the activations' type, the sorted ids INT32, the
+    router weights and the prequant vectors FP32; out h in the activations' type (fc) or FP32 (proj)."""
+    act = TRT_TYPE_NAMES[activation]
+    types = [act, "INT32", "INT32", "FP32", act] + ([act] if use_bias else []) + (["FP32"] if prequant else [])
+    return ", ".join([*types, act if stage == "fc" else "FP32"])
+
+
+def _stage_desc(stage: str, v: dict[str, Any]) -> Any:
+    """h [T * top_k, I] in the activations' type (fc), out [T * top_k, H] FP32 (proj); T = dim 0 of weights."""
+    rows = v["weights"].shape_expr[0] * v["top_k"]
+    if stage == "fc":
+        return trtp.from_shape_expr((rows, v["expert_inter_size"]), v["x"].dtype)
+    return trtp.from_shape_expr((rows, v["expert_hidden_size"]), trt.DataType.FLOAT)
+
+
+def _stage_impl(plugin: str, stage: str, v: dict[str, Any]) -> Any:
+    a = moe_attrs(v)
+    _refuse_quantized_inputs(plugin, a)
+    if plugin != moe_split.stage_op(stage, a):
+        raise ValueError(
+            f"trtbuild::{plugin} with use_bias={a.use_bias} prequant={a.prequant}: that layer's {stage} is the "
+            f"trtbuild::{moe_split.stage_op(stage, a)} plugin (fixed inputs); TensorRT must parse the graph as "
+            "engine/onnx_fields.complete_plugin_fields returns it"
+        )
+    src = v["x" if stage == "fc" else "h"]
+    activation = _activation(src, f"trtbuild::{plugin} input 0")
+    _int32(v["assignments"], f"trtbuild::{plugin} assignments")
+    _int32(v["offsets"], f"trtbuild::{plugin} offsets")
+    for name in ("weights", f"{stage}_prequant"):
+        if name in v and dtype_name(v[name].dtype) != "float32":
+            raise ValueError(f"trtbuild::{plugin} {name} of type {v[name].dtype}: expected FP32")
+    for name in (f"{stage}_weight", f"{stage}_bias"):
+        if name in v and dtype_name(v[name].dtype) != activation:
+            raise ValueError(
+                f"trtbuild::{plugin} {name} of type {v[name].dtype}: expected the activations' "
+                f"{TRT_TYPE_NAMES[activation]} (export.py casts expert weights to the engine dtype)"
+            )
+    s = moe.Stage(a, stage)
+    return _launch(moe.OP, s, activation, moe.grid(s, v["weights"].shape_expr[0]), [])
+
+
+def _register_stage(stage: str, use_bias: bool, prequant: bool) -> None:
+    a = MoEAttrs(1, 1, 1, 1, use_bias=int(use_bias), prequant=int(prequant))
+    plugin = moe_split.stage_op(stage, a)
+    pid, inputs, out = f"trtbuild::{plugin}", stage_inputs(stage, use_bias, prequant), tuple[trtp.TensorDesc]
+    combos = [stage_combination(stage, act, use_bias, prequant) for act in common.ACTIVATIONS]
+    trtp.register(pid)(
+        _function(f"_{plugin}_desc", _signature(inputs, [], trtp.TensorDesc), lambda v: _stage_desc(stage, v))
+    )
+    trtp.autotune(pid)(
+        _function(
+            f"_{plugin}_tune",
+            _signature(inputs, [("outputs", out)], list[trtp.AutoTuneCombination], attrs=False),
+            lambda v: [trtp.AutoTuneCombination(c, "LINEAR") for c in combos],
+        )
+    )
+    trtp.aot_impl(pid)(
+        _function(
+            f"_{plugin}_impl",
+            _signature(inputs, [("outputs", out), ("tactic", int)],
+                       tuple[str, str, trtp.KernelLaunchParams, trtp.SymIntExprs]),
+            lambda v: _stage_impl(plugin, stage, v),
+        )
+    )  # fmt: skip
+
+
+for _stage in moe.STAGES:
+    for _bias in (False, True):
+        for _prequant in (False, True):
+            _register_stage(_stage, _bias, _prequant)

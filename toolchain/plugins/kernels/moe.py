@@ -217,7 +217,8 @@ def grid(s: Stage, num_tokens: Any) -> tuple[Any, Any, Any]:
     """(expert, tile of BLOCK_M of its assignments, tile of output columns): an expert takes each token at most
     once, so ceil(T / BLOCK_M) tiles cover any expert's count; the tiles past it return at once."""
     _, n, _ = _dims(s)
-    return s.moe.number_of_experts, -(-num_tokens // BLOCK_M), -(-n // _block(n))
+    # (T + BLOCK_M - 1) // BLOCK_M, not -(-T // BLOCK_M): TensorRT's shape expressions have + and // but no negation
+    return s.moe.number_of_experts, (num_tokens + BLOCK_M - 1) // BLOCK_M, -(-n // _block(n))
 
 
 def dot_fp32(activation: str) -> bool:
@@ -257,7 +258,6 @@ def moe(
         )
     prequant = (biases[-2].float().contiguous(), biases[-1].float().contiguous()) if a.prequant else (None, None)
     biases = biases[: len(biases) - 2 * a.prequant]
-    activation = str(x.dtype).removeprefix("torch.")
     fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
     t, k, hidden, inter = x.shape[0], a.top_k, a.expert_hidden_size, a.expert_inter_size
     y = torch.zeros(t, hidden, dtype=x.dtype, device=x.device)
@@ -269,13 +269,21 @@ def moe(
     out = torch.empty(t * k, hidden, dtype=torch.float32, device=x.device)
     steps = (("fc", x, fc_weight, fc_bias, prequant[0], h), ("proj", h, proj_weight, proj_bias, prequant[1], out))
     for stage, src, w, bias, pre, dst in steps:
-        s = Stage(a, stage)
-        check(s, activation)
-        consts = {**constexprs(s, activation), "DOT_FP32": dot_fp32(activation)}
-        consts.pop("bias", None)
-        consts.pop("prequant", None)
-        moe_kernel[grid(s, t)](
-            src, assignments, offsets, weights.reshape(-1).contiguous(), w.contiguous(), bias, pre, dst,
-            **consts, num_warps=NUM_WARPS, **common.OPTIONS,
-        )  # fmt: skip
+        launch_stage(Stage(a, stage), t, src, assignments, offsets, weights, w, bias, pre, dst)
     return out.view(t, k, hidden).sum(1).to(x.dtype)
+
+
+def launch_stage(
+    s: Stage, num_tokens: int, src: torch.Tensor, assignments: torch.Tensor, offsets: torch.Tensor,
+    weights: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, pre: torch.Tensor | None, dst: torch.Tensor,
+) -> None:  # fmt: skip
+    """One launch of `moe_kernel` (one plugin: MoEFc or MoEProj), writing dst: h [T*k, I] or out [T*k, H] fp32."""
+    activation = str(src.dtype).removeprefix("torch.")
+    check(s, activation)
+    consts = {**constexprs(s, activation), "DOT_FP32": dot_fp32(activation)}
+    consts.pop("bias", None)
+    consts.pop("prequant", None)
+    moe_kernel[grid(s, num_tokens)](
+        src, assignments, offsets, weights.reshape(-1).contiguous(), w.contiguous(), bias, pre, dst,
+        **consts, num_warps=NUM_WARPS, **common.OPTIONS,
+    )  # fmt: skip
