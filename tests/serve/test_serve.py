@@ -337,15 +337,17 @@ async def _stream_all(server: Running, prompts: list[str], new: int) -> list[tup
 def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(server: Running) -> None:
     before = server.metrics()
     body = {**greedy(MAX_SEQ_LEN - 16), "prompt": "disconnect me", "stream": True}
-    # The engine loop is held after its third step (two tokens sent, the third not yet) until the client has left:
-    # on a loaded machine a free-running loop can finish the whole request before the client reads two events.
-    llm, observe, steps, release = server.state.llm, server.state.llm.on_step, [0], threading.Event()
+    # On a loaded machine a free-running engine loop can finish the whole request before the client reads two
+    # events. From its third step the loop waits for the client: up to 0.2 s a step until it has read two events
+    # (a token need not make an event: the detokenizer may hold text back), then until it has left.
+    llm, observe, steps = server.state.llm, server.state.llm.on_step, [0]
+    read_two, release = threading.Event(), threading.Event()
 
     def held(rt: Any) -> None:
         if observe is not None:
             observe(rt)
         steps[0] += 1
-        if steps[0] == 3:
+        if steps[0] >= 3 and read_two.wait(0.2):
             release.wait(TIMEOUT)
 
     llm.on_step = held
@@ -357,6 +359,7 @@ def test_a_disconnected_stream_is_aborted_and_frees_its_blocks(server: Running) 
             assert response.status_code == 200
             for n, _ in enumerate(sse_events(response.iter_lines()), 1):
                 if n == 2:
+                    read_two.set()
                     break
             assert server.state.llm.runtime.blocks.num_used > 0  # still generating when the client leaves
     finally:
