@@ -333,7 +333,9 @@ def _sha256(manifest: Path) -> str | None:
 
 
 class Engine(Protocol):
-    """One engine, opened: the runtime drives any backend through exactly this."""
+    """One engine, opened: the runtime drives any backend through exactly this. A multi-rank engine's rank-0 facade
+    (issue 27, slice B) will add `health() -> str | None` (why a rank is down, or None) and `close()` (stop the
+    ranks); single-rank engines have neither, so callers reach them with getattr."""
 
     spec: EngineSpec
     vocab_size: int
