@@ -7,6 +7,12 @@ engine fact from graph attributes or re-reads the JSON.
 
 An `Engine` runs one packed batch (contract.py) against a KV pool it made with `new_kv_cache` and returns the
 logits rows `batch.logits_index` asks for, float32 [num_outputs, vocab_size], on the host.
+
+A multi-rank engine (issue 27: tensor / pipeline parallel, world_size > 1) has one top-level build_config.json whose
+`mapping` and `ranks` keys (written only when world_size > 1, so single-rank engines stay byte-identical) describe
+each rank's layers and KV pool; rank r's graph lives in `rank_dir(ENGINE, r)`. `EngineSpec.for_rank(r)` is the
+spec a rank opens its own graph with. Running such engines is slice B's (toolchain/parallel/launch.py): until it
+lands, opening one is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, NamedTuple, Protocol
@@ -22,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from toolchain.checkpoint import trtllm
 from toolchain.engine.backends import by_name
 from toolchain.engine.contract import CONTRACT_VERSION, KV_DTYPES, Batch
 from toolchain.engine.geometry import TOKENS_PER_BLOCK, blocks_for, kv_block_shape
@@ -102,6 +109,35 @@ class KVCacheSpec:
         return self.num_layers * int(np.prod(self.block_shape)) * per
 
 
+def rank_dir(engine_dir: Path, rank: int) -> Path:
+    """Where rank `rank` of a multi-rank engine keeps its graph (model.onnx, a TensorRT plan)."""
+    return engine_dir / f"rank{rank}"
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank of a multi-rank engine: its place in the mapping, its stage's layers [start, stop) and its KV pool
+    (its local KV heads, its stage's layers)."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    layers: tuple[int, int]
+    kv_cache: KVCacheSpec
+
+    def to_json(self, num_blocks: int) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "pp_rank": self.pp_rank,
+            "layers": list(self.layers),
+            "kv_cache": {
+                "block_shape": list(self.kv_cache.block_shape),
+                "pool_shape": list(self.kv_cache.pool_shape(num_blocks)),
+            },
+        }
+
+
 @dataclass(frozen=True)
 class EngineSpec:
     """Everything known about an engine before running it, read once from build_config.json."""
@@ -119,6 +155,22 @@ class EngineSpec:
     onnxruntime: str | None = None
     manifest_sha256: str | None = None  # of the engine dir's manifest.json: the engine's identity
     build: Mapping[str, Any] | None = None  # what the backend's build step reports (a TensorRT plan's build)
+    # issue 27: how the engine is split over ranks (world_size 1: today's single-rank engine), each rank's part, and
+    # which rank this spec is for (None: the whole engine, whose kv_cache is the unsplit model's)
+    mapping: trtllm.Mapping = field(default_factory=trtllm.Mapping)
+    ranks: tuple[RankSpec, ...] = ()
+    rank: int | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.mapping.world_size
+
+    def for_rank(self, rank: int) -> EngineSpec:
+        """The spec rank `rank` opens its own graph with: its directory, its KV pool."""
+        if not 0 <= rank < len(self.ranks):
+            raise ValueError(f"rank {rank}: this engine has ranks 0 .. {len(self.ranks) - 1}")
+        part = self.ranks[rank]
+        return replace(self, engine_dir=rank_dir(self.engine_dir, rank), kv_cache=part.kv_cache, rank=rank)
 
     @property
     def num_layers(self) -> int:
@@ -148,6 +200,16 @@ class EngineSpec:
             "compatibility": dict(self.compatibility) if self.compatibility is not None else None,
             "onnxruntime": self.onnxruntime,
             "build": dict(self.build) if self.build else None,
+            **self._ranks_config(),
+        }
+
+    def _ranks_config(self) -> dict[str, Any]:
+        """`mapping` and `ranks`, only for a multi-rank engine (single-rank engines' config is unchanged)."""
+        if self.world_size == 1:
+            return {}
+        return {
+            "mapping": asdict(self.mapping),
+            "ranks": [r.to_json(self.limits.num_blocks) for r in self.ranks],
         }
 
     def write(self, engine_dir: Path) -> dict[str, Any]:
@@ -203,6 +265,7 @@ class EngineSpec:
                 raise ValueError(f"{key} is {config[key]!r}; expected a positive integer")
         kv = KVCacheSpec(str(config["kv_cache"]["dtype"]), config["num_layers"], kv_heads, tpb, head_size)
         manifest = engine_dir / MANIFEST_NAME
+        mapping, ranks = _parse_ranks(config, kv)
         return cls(
             engine_dir=engine_dir,
             backend=str(config["backend"]),
@@ -217,7 +280,45 @@ class EngineSpec:
             onnxruntime=config.get("onnxruntime"),
             manifest_sha256=_sha256(manifest),
             build=MappingProxyType(dict(config["build"])) if config.get("build") else None,
+            mapping=mapping,
+            ranks=ranks,
         )
+
+
+def _parse_ranks(config: dict[str, Any], kv: KVCacheSpec) -> tuple[trtllm.Mapping, tuple[RankSpec, ...]]:
+    """build_config.json's `mapping` and `ranks` (absent: a single-rank engine), each rank checked against the
+    mapping (RankMapping's numbering) and the model's KV geometry."""
+    from toolchain.parallel.mapping import RankMapping
+
+    if "mapping" not in config:
+        if "ranks" in config:
+            raise ValueError("ranks without a mapping")
+        return trtllm.Mapping(), ()
+    if not isinstance(config["mapping"], dict) or not isinstance(config["ranks"], list):
+        raise ValueError("mapping must be an object and ranks a list")
+    mapping = trtllm.Mapping.from_dict(config["mapping"])  # checks world_size = tp_size * pp_size
+    if mapping.world_size == 1 or len(config["ranks"]) != mapping.world_size:
+        raise ValueError(
+            f"{len(config['ranks'])} ranks for a mapping of world_size {mapping.world_size} (expected > 1)"
+        )
+    ranks = []
+    for r, entry in enumerate(config["ranks"]):
+        try:
+            where = RankMapping(mapping, r)
+        except UserError as e:
+            raise ValueError(str(e)) from e
+        start, stop = entry["layers"]
+        two, kv_heads, tpb, head_size = entry["kv_cache"]["block_shape"]
+        found = (entry["rank"], entry["tp_rank"], entry["pp_rank"], two, tpb, head_size)
+        if found != (r, where.tp_rank, where.pp_rank, 2, kv.tokens_per_block, kv.head_size):
+            raise ValueError(
+                f"ranks[{r}] (rank, tp_rank, pp_rank, block_shape) disagrees with the mapping and kv_cache"
+            )
+        if not (_positive(stop - start) and start >= 0 and stop <= kv.num_layers and _positive(kv_heads)):
+            raise ValueError(f"ranks[{r}]: layers {[start, stop]} / {kv_heads} KV heads out of range")
+        local = KVCacheSpec(kv.dtype, stop - start, kv_heads, tpb, head_size)
+        ranks.append(RankSpec(r, where.tp_rank, where.pp_rank, (start, stop), local))
+    return mapping, tuple(ranks)
 
 
 def _positive(value: Any) -> bool:
@@ -232,7 +333,9 @@ def _sha256(manifest: Path) -> str | None:
 
 
 class Engine(Protocol):
-    """One engine, opened: the runtime drives any backend through exactly this."""
+    """One engine, opened: the runtime drives any backend through exactly this. A multi-rank engine's rank-0 facade
+    (issue 27, slice B) will add `health() -> str | None` (why a rank is down, or None) and `close()` (stop the
+    ranks); single-rank engines have neither, so callers reach them with getattr."""
 
     spec: EngineSpec
     vocab_size: int
@@ -279,6 +382,10 @@ def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
 
 def open_trusted(spec: EngineSpec, backend: str | None = None) -> Engine:
     """`open_engine` for a spec `trusted_spec` already gave (the engine checked once, not once per step)."""
+    if spec.world_size > 1 and spec.rank is None:
+        from toolchain.parallel.launch import open_ranks
+
+        return open_ranks(spec, backend)
     return by_name(backend or spec.backend).open(spec)
 
 

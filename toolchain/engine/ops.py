@@ -56,6 +56,7 @@ from typing import Any
 import torch
 
 from toolchain.checkpoint.spec import ACTIVATIONS, ROUTER_NORMS
+from toolchain.engine.collectives import COLLECTIVE_ATTRS, COLLECTIVE_FIELDS, CollectiveAttrs
 from toolchain.engine.geometry import blocks_for
 from toolchain.quantize.core import FP8_E4M3_MAX
 from toolchain.reference.model import ACTIVATIONS as ACTIVATION_FNS
@@ -661,8 +662,11 @@ OPS: dict[str, Callable[..., torch.Tensor]] = {
     MOE_OP: moe,
 }
 # the attributes' class of each op (what the CPU engine parses a node's attributes into)
-OP_ATTRS: dict[str, type[AttentionAttrs] | type[MoEAttrs]] = {
+OP_ATTRS: dict[str, type[AttentionAttrs] | type[MoEAttrs] | type[CollectiveAttrs]] = {
     "KVCacheWrite": AttentionAttrs,
     "PagedAttention": AttentionAttrs,
     MOE_OP: MoEAttrs,
 }
+# the collective ops of multi-rank engines (issue 27): attributes only; they run through a Communicator, not OPS
+OP_ATTRS.update(COLLECTIVE_ATTRS)
+OP_FIELDS.update(COLLECTIVE_FIELDS)

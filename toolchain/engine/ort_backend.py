@@ -22,6 +22,7 @@ import torch
 from onnx import helper, numpy_helper
 
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, StepTokens, tokens_on_host
+from toolchain.engine.collectives import COLLECTIVE_OPS, CollectiveAttrs, Communicator, LocalComm, run_collective
 from toolchain.engine.contract import PLUGIN_DOMAIN, Batch
 from toolchain.engine.ops import OP_ATTRS, OPS, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
@@ -37,10 +38,11 @@ class _Segment:
 @dataclass
 class _Plugin:
     op: str
-    attrs: AttentionAttrs | MoEAttrs
+    attrs: AttentionAttrs | MoEAttrs | CollectiveAttrs
     inputs: list[str]
     outputs: list[str]
     weights: dict[str, torch.Tensor]  # its initializer inputs, by name
+    name: str = ""  # the node's name (a collective's errors say it)
 
 
 def available_cores() -> int:
@@ -89,7 +91,7 @@ def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.Node
     run: list[onnx.NodeProto] = []
     for node in model.graph.node:
         if node.domain == PLUGIN_DOMAIN:
-            if node.op_type not in OPS:
+            if node.op_type not in OPS and node.op_type not in COLLECTIVE_OPS:
                 raise ValueError(f"no reference implementation for {node.domain}::{node.op_type}")
             parts.append((run, node))
             run = []
@@ -117,10 +119,13 @@ class OrtEngine:
     """Run an engine directory's model.onnx on CPU (the `Engine` protocol of api.py). Engine facts come from the
     spec; the graph is only checked against it."""
 
-    def __init__(self, spec: EngineSpec, threads: int = 0):
+    def __init__(self, spec: EngineSpec, threads: int = 0, comm: Communicator | None = None):
+        """`comm` runs the graph's collective ops (one rank of a multi-rank engine, issue 27); a one-rank world's
+        LocalComm by default."""
         import onnxruntime as ort
 
         self.spec = spec
+        self.comm: Communicator = LocalComm() if comm is None else comm
         self.vocab_size = spec.vocab_size
         self.tokens_per_block = spec.limits.tokens_per_block
         model_path = spec.engine_dir / MODEL_NAME
@@ -180,7 +185,11 @@ class OrtEngine:
                 weights = {
                     i: torch.from_numpy(numpy_helper.to_array(inits[i]).copy()) for i in plugin.input if i in inits
                 }
-                self.steps.append(_Plugin(op, parsed, list(plugin.input), list(plugin.output), weights))
+                self.steps.append(
+                    _Plugin(
+                        op, parsed, list(plugin.input), list(plugin.output), weights, plugin.name or plugin.output[0]
+                    )
+                )
         self._check_graph(model, model_path)
 
     def _check_graph(self, model: onnx.ModelProto, model_path: Path) -> None:
@@ -229,7 +238,11 @@ class OrtEngine:
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
                 values.update(zip(step.outputs, results, strict=True))
                 continue
-            out = OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache), memo=memo)
+            if isinstance(step.attrs, CollectiveAttrs):  # issue 27: run by this rank's communicator
+                x = _plugin_inputs(step, values, kv_cache)[0]
+                out = run_collective(self.comm, step.op, step.attrs, x, step.name)
+            else:
+                out = OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache), memo=memo)
             outs = out if isinstance(out, tuple) else (out,)  # a plugin may have several outputs (MoESort's two)
             values.update((name, o.numpy()) for name, o in zip(step.outputs, outs, strict=True))
         return values["logits"]
