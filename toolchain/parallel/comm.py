@@ -38,6 +38,9 @@ from toolchain.parallel.mapping import RankMapping
 
 TIMEOUT_ENV = "TRTBUILD_COLLECTIVE_TIMEOUT"
 BROADCAST_OP = "Broadcast"
+# joining the world and opening every rank's graph: minutes for a large model on a busy machine (the process
+# group's own timeout covers its rendezvous; each group made afterwards gets the collective timeout)
+START_TIMEOUT_S = 600.0
 # test-only: "RANK:OP:SECONDS[:FROM]" makes rank RANK sleep SECONDS before each OP from its FROM-th call (default 1)
 # on: a rank hung inside a collective
 STALL_ENV = "TRTBUILD_TEST_STALL_COLLECTIVE"
@@ -94,12 +97,16 @@ class GlooComm:
             g = tuple(g)
             if g not in self._groups and len(g) > 1:
                 self._groups[g] = dist.new_group(list(g), timeout=timeout)
-        self._control = dist.new_group(list(range(self.world_size)), timeout=timeout)
+        world = list(range(self.world_size))
+        self._control = dist.new_group(world, timeout=timeout)
+        self._p2p = dist.new_group(world, timeout=timeout)  # send / recv: the default group has the start timeout
         self._stats: dict[str, OpStats] = {}
         self._calls: dict[str, int] = {}  # every call, failed ones too (the stall hook counts them)
         self._closed = False
 
-    def _group(self, op: str, group: tuple[int, ...], what: str) -> Any:
+    def _group(self, op: str, group: tuple[int, ...], what: str) -> None:
+        """Refuse a group this rank cannot run `op` on (the process group objects stay in self._groups: a local
+        reference in a traceback would keep the store alive past close)."""
         group = tuple(group)
         if self.rank not in group:
             raise CollectiveError(self.rank, op, what, group, self.timeout_s, "this rank is not in the group")
@@ -108,7 +115,6 @@ class GlooComm:
                 self.rank, op, what, group, self.timeout_s,
                 f"no such group in this engine's mapping (groups: {[list(g) for g in self._groups]})",
             )  # fmt: skip
-        return self._groups[group]
 
     def _run(self, op: str, what: str, group: tuple[int, ...], nbytes: int, fn: Callable[[], _T]) -> _T:
         start = time.perf_counter()
@@ -118,16 +124,19 @@ class GlooComm:
         stall = _stall(self.rank, op, self._calls[op])
         if stall:
             time.sleep(stall)
+        failure: str | None = None
         try:
             out = fn()
         except (RuntimeError, ValueError) as e:  # gloo's errors are RuntimeError (DistBackendError included)
+            failure = " ".join(str(e).split())[:300]
+        if failure is not None:  # raised here, not in the except: gloo's exception (and the group objects its
+            # frames hold, which keep rank 0's TCPStore and its port alive) is not chained to ours
             elapsed = time.perf_counter() - start
             peers = [r for r in group if r != self.rank]
-            text = " ".join(str(e).split())[:300]
             raise CollectiveError(
                 self.rank, op, what, group, self.timeout_s,
-                f"after {elapsed:.1f} s waiting for rank {', '.join(map(str, peers))} ({self.backend}: {text})",
-            ) from e  # fmt: skip
+                f"after {elapsed:.1f} s waiting for rank {', '.join(map(str, peers))} ({self.backend}: {failure})",
+            )  # fmt: skip
         s = self._stats.setdefault(op, OpStats())
         s.calls += 1
         s.bytes += nbytes
@@ -136,23 +145,23 @@ class GlooComm:
 
     def all_reduce(self, x: torch.Tensor, group: tuple[int, ...], what: str) -> torch.Tensor:
         group = tuple(group)
-        pg = self._group(ALL_REDUCE_OP, group, what)
+        self._group(ALL_REDUCE_OP, group, what)
         out = x.clone(memory_format=torch.contiguous_format)  # x may be a read-only view of ONNX Runtime's output
 
         def reduce() -> torch.Tensor:
-            dist.all_reduce(out, group=pg)
+            dist.all_reduce(out, group=self._groups[group])
             return out
 
         return self._run(ALL_REDUCE_OP, what, group, _nbytes(x), reduce)
 
     def all_gather(self, x: torch.Tensor, group: tuple[int, ...], axis: int, what: str) -> torch.Tensor:
         group = tuple(group)
-        pg = self._group(ALL_GATHER_OP, group, what)
+        self._group(ALL_GATHER_OP, group, what)
         mine = x.contiguous()
         parts = [torch.empty_like(mine) for _ in group]
 
         def gather() -> torch.Tensor:
-            dist.all_gather(parts, mine, group=pg)
+            dist.all_gather(parts, mine, group=self._groups[group])
             return torch.cat(parts, dim=axis)
 
         return self._run(ALL_GATHER_OP, what, group, _nbytes(x), gather)
@@ -160,14 +169,14 @@ class GlooComm:
     def send(self, x: torch.Tensor, dst: int, what: str) -> None:
         self._peer(SEND_OP, dst, what)
         mine = x.contiguous()
-        self._run(SEND_OP, what, (self.rank, dst), _nbytes(x), lambda: dist.send(mine, dst))
+        self._run(SEND_OP, what, (self.rank, dst), _nbytes(x), lambda: dist.send(mine, dst, group=self._p2p))
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
         self._peer(RECV_OP, src, what)
         out = torch.empty(shape, dtype=dtype)
 
         def receive() -> torch.Tensor:
-            dist.recv(out, src)
+            dist.recv(out, src, group=self._p2p)
             return out
 
         return self._run(RECV_OP, what, (src, self.rank), _nbytes(out), receive)
@@ -200,6 +209,9 @@ class GlooComm:
         self._closed = True
         if dist.is_initialized():
             dist.destroy_process_group()
+        # the groups hold the store (rank 0's TCPStore server, its port) until the last reference goes
+        self._groups.clear()
+        self._control = self._p2p = None
 
 
 def _nbytes(x: torch.Tensor) -> int:

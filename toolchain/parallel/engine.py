@@ -96,6 +96,12 @@ class DistributedEngine:
         """The spawned workers' pids, rank 1 first (empty under torchrun)."""
         return list(self._pids)
 
+    @property
+    def store_port(self) -> int | None:
+        """The TCPStore's port while the engine is open (close frees it)."""
+        port = getattr(self._store, "port", None)
+        return int(port) if port is not None else None
+
     def health(self) -> str | None:
         """Why the engine cannot run (a rank died, a collective failed), or None."""
         return self._failure

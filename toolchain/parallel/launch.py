@@ -27,16 +27,15 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # exported
 
 from toolchain.engine.api import MODEL_NAME, rank_dir
 from toolchain.errors import UserError
-from toolchain.parallel.comm import GlooComm, collective_timeout, mapping_groups
+from toolchain.parallel.comm import START_TIMEOUT_S, GlooComm, collective_timeout, mapping_groups
 from toolchain.parallel.engine import DistributedEngine, stop_ranks
 from toolchain.parallel.mapping import RankMapping
-from toolchain.parallel.worker import READY_KEY, local_threads, open_rank_engine, run_worker, worker_main
+from toolchain.parallel.worker import JOINED_KEY, READY_KEY, local_threads, open_rank_engine, run_worker, worker_main
 
 if TYPE_CHECKING:
     from toolchain.engine.api import Engine, EngineSpec
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
-START_TIMEOUT_S = 600.0  # opening every rank's graph: minutes for a large model on a busy machine
 HOST = "127.0.0.1"  # spawned ranks share this machine
 
 
@@ -74,7 +73,7 @@ def _join_torchrun(spec: EngineSpec, backend: str | None, timeout_s: float) -> E
             f"torchrun started {world} processes (WORLD_SIZE) for a {spec.world_size}-rank engine "
             f"({spec.engine_dir}); start it with --nnodes x --nproc-per-node = {spec.world_size}"
         )
-    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=START_TIMEOUT_S))
     store = dist.distributed_c10d._get_default_store()
     threads = local_threads(int(os.environ.get("LOCAL_WORLD_SIZE") or world))
     if rank != 0:
@@ -95,7 +94,11 @@ def _spawn(spec: EngineSpec, backend: str | None, timeout_s: float) -> Engine:
     try:
         for p in procs:
             p.start()
-        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=timedelta(seconds=timeout_s))
+        # the rendezvous waits for every rank: first make sure each is alive and at the store (a worker that died
+        # importing would otherwise hold rank 0 in init_process_group for the whole start timeout)
+        wait_for(store, JOINED_KEY, world, procs, START_TIMEOUT_S, "reach rank 0's store")
+        start = timedelta(seconds=START_TIMEOUT_S)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world, timeout=start)
     except BaseException:
         stop_ranks(procs, 0.0)
         raise
@@ -109,7 +112,7 @@ def _rank0(
     try:
         comm = GlooComm(mapping_groups(RankMapping(spec.mapping, 0)), timeout_s)
         engine = open_rank_engine(spec, 0, comm, threads, backend)
-        wait_ready(store, spec.world_size, procs, START_TIMEOUT_S)
+        wait_for(store, READY_KEY, spec.world_size, procs, START_TIMEOUT_S, "open their engines")
     except BaseException:
         stop_ranks(procs, 0.0)
         if comm is not None:
@@ -120,21 +123,22 @@ def _rank0(
     return DistributedEngine(spec, engine, comm, timeout_s, procs, store)
 
 
-def wait_ready(store: Any, world: int, procs: list[Any], timeout_s: float) -> None:
-    """Until every rank 1.. said its engine is open; a rank that failed (or, spawned, died) is named."""
+def wait_for(store: Any, key: str, world: int, procs: list[Any], timeout_s: float, doing: str) -> None:
+    """Until every rank 1.. set `key` ("ok" or its error) in the store; a rank that failed (or, spawned, died) is
+    named with its error."""
     waiting = set(range(1, world))
     deadline = time.monotonic() + timeout_s
     while waiting:
         for r in sorted(waiting):
-            key = READY_KEY.format(rank=r)
-            if store.check([key]):
-                said = store.get(key).decode()
+            name = key.format(rank=r)
+            if store.check([name]):
+                said = store.get(name).decode()
                 if said != "ok":
                     raise UserError(f"rank {r} could not open its engine: {said.removeprefix('error: ')}")
                 waiting.discard(r)
             elif procs and not procs[r - 1].is_alive():
-                raise UserError(f"rank {r} exited ({procs[r - 1].exitcode}) while opening its engine (see its stderr)")
+                raise UserError(f"rank {r} exited ({procs[r - 1].exitcode}) before it could {doing} (see its stderr)")
         if time.monotonic() > deadline:
-            raise UserError(f"ranks {sorted(waiting)} did not open their engines within {timeout_s:g} s")
+            raise UserError(f"ranks {sorted(waiting)} did not {doing} within {timeout_s:g} s")
         if waiting:
             time.sleep(0.05)

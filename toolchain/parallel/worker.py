@@ -38,15 +38,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed import Store, TCPStore  # type: ignore[attr-defined]  # exported at run time, not in the stubs
 
-from toolchain.engine.api import Engine, EngineSpec
+from toolchain.engine.api import MODEL_NAME, Engine, EngineSpec, rank_dir
 from toolchain.engine.collectives import CollectiveError, Communicator
 from toolchain.engine.contract import Batch
+from toolchain.errors import UserError
 from toolchain.parallel.mapping import RankMapping
 
 NEW_POOL, FORWARD, KEEPALIVE, STOP = 1, 2, 3, 4
 COMMANDS = {NEW_POOL: "NEW_POOL", FORWARD: "FORWARD", KEEPALIVE: "KEEPALIVE", STOP: "STOP"}
 WANT_LOGITS, WANT_TOKENS = 0, 1
 HEADER_LEN = 8
+JOINED_KEY = "trtbuild/joined/{rank}"  # a spawned worker reached the store: rank 0 may start the rendezvous
 READY_KEY = "trtbuild/ready/{rank}"  # a worker's "ok" (or its error) once its engine is open: launch.py waits
 EXIT_COLLECTIVE = 3  # D9: a rank failed
 
@@ -195,7 +197,6 @@ def local_threads(local_world: int) -> int:
 def open_rank_engine(spec: EngineSpec, rank: int, comm: Communicator, threads: int, backend: str | None) -> Engine:
     """Rank `rank`'s own engine (its graph only), its collectives run by `comm`."""
     from toolchain.engine.ort_backend import OrtEngine
-    from toolchain.errors import UserError
 
     chosen = backend or spec.backend
     if chosen != "onnxruntime":
@@ -217,9 +218,13 @@ def run_worker(spec: EngineSpec, rank: int, store: Store, threads: int, backend:
         comm = GlooComm(mapping_groups(where))
         try:
             engine = open_rank_engine(spec, rank, comm, threads, backend)
-        except Exception as e:
-            store.set(READY_KEY.format(rank=rank), f"error: {' '.join(str(e).split())}")
-            raise
+        except Exception as e:  # said once, through the store: rank 0 raises it naming this rank
+            text = " ".join(str(e).split())
+            if not isinstance(e, UserError):
+                text = f"{rank_dir(spec.engine_dir, rank) / MODEL_NAME}: {type(e).__name__}: {text}"
+            store.set(READY_KEY.format(rank=rank), f"error: {text}")
+            print(f"trtbuild: rank {rank}: {text}", file=sys.stderr, flush=True)
+            return 1
         store.set(READY_KEY.format(rank=rank), "ok")
         serve_steps(engine, comm, where)
         return 0
@@ -248,8 +253,12 @@ def worker_main(
     """The entry point of a spawned rank (launch.py): join rank 0's store and process group, then run_worker."""
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
     os.environ["TRTBUILD_COLLECTIVE_TIMEOUT"] = repr(timeout_s)  # rank 0 read it: every rank uses the same
-    store = TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=max(timeout_s, 60)))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    from toolchain.parallel.comm import START_TIMEOUT_S
+
+    start = timedelta(seconds=START_TIMEOUT_S)
+    store = TCPStore(host, port, world_size, is_master=False, timeout=start)
+    store.set(JOINED_KEY.format(rank=rank), "ok")
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=start)
     spec = EngineSpec.from_dir(Path(engine_dir))
     code = run_worker(spec, rank, store, threads, backend)
     sys.stdout.flush()
