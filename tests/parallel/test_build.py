@@ -143,6 +143,22 @@ def test_engine_dir_has_one_graph_per_rank_and_the_mapping(tp2pp2: tuple[Path, P
     assert spec.for_rank(3).kv_cache.num_layers == 1 and spec.kv_cache.num_layers == 3
 
 
+def test_inspect_shows_the_mapping_and_each_rank(tp2pp2: tuple[Path, Path], cli: Any) -> None:
+    engine = tp2pp2[1]
+    info = json.loads(cli("inspect", engine, "--json").stdout)["engine"]
+    assert info["mapping"] == {"world_size": 4, "tp_size": 2, "pp_size": 2}
+    outputs = {e["path"]: e["sha256"] for e in read_manifest(engine)["outputs"]}
+    for r, part in enumerate(info["ranks"]):
+        assert (part["rank"], part["tp_rank"], part["pp_rank"]) == (r, r % 2, r // 2)
+        assert (part["layers"], part["heads"], part["kv_heads"]) == ([[0, 2], [2, 3]][r // 2], 4, 1)
+        assert {p: f["sha256"] for p, f in part["files"].items()} == {
+            f"rank{r}/{MODEL_NAME}": outputs[f"rank{r}/{MODEL_NAME}"]
+        }
+    text = cli("inspect", engine).stdout
+    assert "mapping       tp 2 x pp 2 = 4 ranks" in text
+    assert f"rank 3        tp 1, pp 1: layers 2-2 (1), heads 4, KV heads 1; rank3/{MODEL_NAME} (" in text
+
+
 def test_a_tampered_rank_graph_fails_verify_and_open(tp2pp2: tuple[Path, Path], cli: Any, tmp_path: Path) -> None:
     import shutil
 

@@ -216,6 +216,7 @@ def _build_ranks(
         f"{mapping.world_size} ranks (tp={mapping.tp_size}, pp={mapping.pp_size})"
     )
     ranks: list[RankSpec] = []
+    heads: list[int] = []  # each rank's query heads (`trtbuild inspect`; the pool needs only the KV heads)
     plans: list[Any] = []
     with atomic_dir(out_dir, force, inputs=(checkpoint,)) as tmp:
         record.add_inputs(
@@ -238,6 +239,7 @@ def _build_ranks(
             if backend.plan:
                 plans.append(backend.plan(directory / MODEL_NAME, directory, limits, len(layers), kv.block_shape))
             ranks.append(RankSpec(r, where.tp_rank, where.pp_rank, (layers.start, layers.stop), kv))
+            heads.append(where.local_heads(cfg)[0])
         for path in tokenizer_paths:
             shutil.copyfile(path, tmp / path.name)
         spec = EngineSpec(
@@ -259,6 +261,6 @@ def _build_ranks(
             ranks=tuple(ranks),
         )
         config = spec.write(tmp)
-        record.details.update(build_config=config, mapping=asdict(mapping))
+        record.details.update(build_config=config, mapping=asdict(mapping), rank_heads=heads)
         manifest = record.write(tmp)
     return BuildResult.of(out_dir, config, manifest)
