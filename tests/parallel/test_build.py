@@ -18,7 +18,7 @@ from worlds import run_threads, sharded_checkpoint
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, read_config
 from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, open_engine, rank_dir
 from toolchain.engine.build import BuildOptions, build_engine
-from toolchain.engine.collectives import ThreadComm
+from toolchain.engine.collectives import CollectiveError, ThreadComm
 from toolchain.engine.contract import Batch
 from toolchain.engine.ort_backend import OrtEngine
 from toolchain.errors import UserError
@@ -145,6 +145,17 @@ def test_engine_dir_has_one_graph_per_rank_and_the_mapping(tp2pp2: tuple[Path, P
     assert {f"rank{r}.safetensors" for r in range(4)} | {CONFIG_NAME} <= inputs
     spec = EngineSpec.from_dir(engine)
     assert spec.for_rank(3).kv_cache.num_layers == 1 and spec.kv_cache.num_layers == 3
+
+
+def test_a_missing_rank_is_named_by_the_first_collective(tp2pp2: tuple[Path, Path]) -> None:
+    spec = EngineSpec.from_dir(tp2pp2[1])
+
+    def rank_main(comm: ThreadComm) -> list[np.ndarray]:
+        return steps(OrtEngine(spec.for_rank(comm.rank), threads=1, comm=comm))
+
+    message = r"rank 0: AllReduce of the embedding lookups on group \[0, 1\] failed .*rank \[1\] never arrived"
+    with pytest.raises(CollectiveError, match=message):
+        run_threads(rank_main, 4, timeout_s=0.5, ranks=(0,))
 
 
 def test_inspect_shows_the_mapping_and_each_rank(tp2pp2: tuple[Path, Path], cli: Any) -> None:

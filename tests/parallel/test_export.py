@@ -161,6 +161,26 @@ def test_tp2_pp2_ranks_talk_to_their_own_peers(ckpts: dict[str, Path]) -> None:
     assert all(a["type_id"] == fp16 for g in graphs for op in (ALL_REDUCE_OP, ALL_GATHER_OP) for _, a in plugins(g, op))
 
 
+def test_collective_nodes_say_what_they_are_for_with_the_models_layer(ckpts: dict[str, Path]) -> None:
+    """The node's name is what a CollectiveError quotes: the model's layer, not the stage file's."""
+    graphs = [export(ckpts["llama-tp2-pp2"], r) for r in (1, 3)]
+    names = [[n.name for n in g.graph.node if n.domain == PLUGIN_DOMAIN and n.op_type != ATTENTION_OP] for g in graphs]
+    assert [n for n in names[0] if "AllReduce" not in n and "KVCacheWrite" not in n] == [
+        "of the embedding lookups",
+        "after layer 0 attention.dense",
+        "after layer 0 mlp.proj",
+        "after layer 1 attention.dense",
+        "after layer 1 mlp.proj",
+        "of the hidden states after layer 1 to stage 1",
+    ]
+    assert [n for n in names[1] if "KVCacheWrite" not in n] == [
+        "of the hidden states after layer 1 from stage 0",
+        "after layer 2 attention.dense",
+        "after layer 2 mlp.proj",
+        "of the lm_head slices",
+    ]
+
+
 def test_a_single_rank_mapping_exports_the_same_bytes(ckpts: dict[str, Path]) -> None:
     one = ckpts["llama-tp2"].parent / "one"
     cfg, weights = read_config(one), load_rank(one, 0)

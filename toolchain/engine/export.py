@@ -165,6 +165,7 @@ class _Exporter:
         self.spec = spec_of(cfg) if self.rank is None else rank_spec(cfg, self.rank)
         self.tp = 1 if self.rank is None else self.rank.tp_size
         self.collectives = 0  # AllReduce's `counter`: the graph's all-reduces numbered from 0
+        self.stage_start = 0 if self.rank is None else self.rank.layers(cfg.num_hidden_layers).start
         self.source = source
         self.tokens_per_block = tokens_per_block
         q = cfg.quantization
@@ -229,30 +230,40 @@ class _Exporter:
         over the tp group and the (replicated) bias added once after the sum, as TensorRT-LLM's RowLinear."""
         if self.tp == 1:
             return self.linear(x, prefix, bias)
-        y = self.all_reduce(self.linear(x, prefix), f"{prefix}.reduced")
+        y = self.all_reduce(self.linear(x, prefix), f"{prefix}.reduced", f"after {self.global_name(prefix)}")
         if not bias:
             return y
         return self.b.op("Add", [y, self.b.float_const(f"{prefix}.bias", self.w[f"{prefix}.bias"])], f"{prefix}.biased")
 
-    def collective(self, op: str, attrs: CollectiveAttrs, x: str, out: str, shape: list[int | str]) -> str:
-        """One collective plugin node (collectives.py), its output declared: nothing infers a plugin's shape."""
+    def global_name(self, prefix: str) -> str:
+        """ "layer 3 mlp.proj" for a stage's local prefix transformer.layers.1.mlp.proj (errors name the model's
+        layer, not the stage file's)."""
+        head, _, rest = prefix.removeprefix("transformer.layers.").partition(".")
+        return f"layer {self.stage_start + int(head)} {rest}"
+
+    def collective(
+        self, op: str, attrs: CollectiveAttrs, x: str, out: str, shape: list[int | str] | None, what: str
+    ) -> str:
+        """One collective plugin node (collectives.py), its output declared: nothing infers a plugin's shape. The
+        node's name says what it is for: the CPU engine's CollectiveError quotes it ("AllReduce after layer 3
+        mlp.proj")."""
         b = self.b
-        b.nodes.append(
-            helper.make_node(op, [x], [out], name=f"{out}/{op}", domain=PLUGIN_DOMAIN, **attrs.to_attributes(op))
-        )
-        b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, shape))
+        b.nodes.append(helper.make_node(op, [x], [out], name=what, domain=PLUGIN_DOMAIN, **attrs.to_attributes(op)))
+        if shape is not None:  # None: a graph output, declared there
+            b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, shape))
         return out
 
     @property
     def type_id(self) -> int:
         return TYPE_IDS[_DTYPE_NAMES[self.b.dtype]]
 
-    def all_reduce(self, x: str, out: str) -> str:
-        """The sum of `x` [num_tokens, hidden] over this rank's tp group (the experts' output too, under tp)."""
+    def all_reduce(self, x: str, out: str, what: str | None = None) -> str:
+        """The sum of `x` [num_tokens, hidden] over this rank's tp group (the experts' output too, under tp);
+        `what`: the node's name, what the sum is for (default: `out`)."""
         assert self.rank is not None
         attrs = AllReduceAttrs(type_id=self.type_id, group=self.rank.tp_group, counter=self.collectives)
         self.collectives += 1
-        return self.collective(ALL_REDUCE_OP, attrs, x, out, ["num_tokens", self.spec.hidden_size])
+        return self.collective(ALL_REDUCE_OP, attrs, x, out, ["num_tokens", self.spec.hidden_size], what or out)
 
     def activation(self, x: str, act: str, name: str) -> str:
         b = self.b
@@ -497,7 +508,7 @@ class _Exporter:
         if self.spec.learned_positions:
             pos = self.local_lookup("transformer.position_embedding", "position_ids", cfg.max_position_embeddings)
             h = b.op("Add", [h, pos], "embedded_local")
-        return self.all_reduce(h, "embedded_reduced")
+        return self.all_reduce(h, "embedded_reduced", "of the embedding lookups")
 
     def local_lookup(self, table: str, ids: str, rows: int) -> str:
         """This rank's part of a vocab-parallel lookup (reference/parallel.py `_lookup`): rows [start, start +
@@ -532,7 +543,8 @@ class _Exporter:
             "ConstantOfShape", [shape], "received_like", value=tensor_proto("zero", torch.zeros(1, dtype=b.dtype))
         )
         attrs = RecvAttrs(type_id=self.type_id, src_rank=self.rank.prev_pp_rank)
-        return self.collective(RECV_OP, attrs, like, "received", ["num_tokens", self.spec.hidden_size])
+        what = f"of the hidden states after layer {self.stage_start - 1} from stage {self.rank.pp_rank - 1}"
+        return self.collective(RECV_OP, attrs, like, "received", ["num_tokens", self.spec.hidden_size], what)
 
     def logits_of(self, picked: str) -> str:
         """lm_head on the picked rows; under tp the ranks' vocab slices gathered on the last axis and the padding
@@ -545,7 +557,8 @@ class _Exporter:
         assert self.rank is not None
         padded = padded_vocab(self.cfg.vocab_size, self.tp)
         attrs = AllGatherAttrs(type_id=self.type_id, group=self.rank.tp_group, axis=-1)
-        logits = self.collective(ALL_GATHER_OP, attrs, logits, "lm_head.gathered", ["num_outputs", padded])
+        shape: list[int | str] = ["num_outputs", padded]
+        logits = self.collective(ALL_GATHER_OP, attrs, logits, "lm_head.gathered", shape, "of the lm_head slices")
         if padded == self.cfg.vocab_size:
             return logits
         ends = b.const("vocab_end", torch.tensor([self.cfg.vocab_size], dtype=torch.int64))
@@ -580,13 +593,10 @@ class _Exporter:
         assert self.rank is not None
         b = self.b
         attrs = SendAttrs(type_id=self.type_id, tgt_rank=self.rank.next_pp_rank)
-        b.nodes.append(
-            helper.make_node(
-                SEND_OP, [h], [HIDDEN_STATES], name=f"{HIDDEN_STATES}/{SEND_OP}", domain=PLUGIN_DOMAIN,
-                **attrs.to_attributes(SEND_OP),
-            )
-        )  # fmt: skip
+        last = self.stage_start + len(self.spec.layers) - 1
+        what = f"of the hidden states after layer {last} to stage {self.rank.pp_rank + 1}"
         shape: list[int | str] = ["num_tokens", self.spec.hidden_size]
+        self.collective(SEND_OP, attrs, h, HIDDEN_STATES, None, what)
         return self.model([helper.make_tensor_value_info(HIDDEN_STATES, b.onnx_dtype, shape)])
 
     def model(self, outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
