@@ -130,7 +130,7 @@ def test_pp_world_runs_as_one_rank(engines: dict[str, Path], reference: Any) -> 
 
 
 @pytest.mark.slow
-def test_a_hung_rank_times_out_naming_it(engines: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_ranks_live_and_a_hung_rank_times_out_naming_it(engines: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     timeout_s = 2.0
     monkeypatch.setenv(TIMEOUT_ENV, str(timeout_s))
     monkeypatch.setenv(STALL_ENV, "1:AllReduce:60")  # rank 1 sleeps in every all-reduce
@@ -138,6 +138,8 @@ def test_a_hung_rank_times_out_naming_it(engines: dict[str, Path], monkeypatch: 
     assert isinstance(engine, DistributedEngine)
     try:
         pool = engine.new_kv_cache(4)
+        time.sleep(1.5 * timeout_s)  # idle past the timeout: rank 0's keepalives keep rank 1's wait for a step short
+        assert engine.health() is None  # (rank 1 timing out would have exited 3, which the monitor reports)
         start = time.monotonic()
         with pytest.raises(CollectiveError) as caught:
             engine.forward(Batch.from_sequences([[1, 2]], [0], [[0]]), pool)
