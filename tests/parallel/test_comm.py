@@ -262,3 +262,34 @@ def test_gloo_comm_ops_and_stats() -> None:
     np.testing.assert_array_equal(got[1]["recv"], x0)
     # stats: every op that completed, bytes of this rank's input (24 B a tensor)
     assert got[0]["stats"] == {"AllReduce": (1, 24), "AllGather": (1, 24), "Send": (1, 24), "Broadcast": (1, 24)}
+
+
+def test_rank0_failing_mid_step_is_terminal() -> None:
+    """Once FORWARD is out, the other ranks run the step: rank 0 failing in it leaves them out of step for good."""
+
+    class Broken(FakeEngine):
+        def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+            raise RuntimeError("out of memory")
+
+    spec = _spec(2, 1)
+
+    def rank(comm: ThreadComm) -> Any:
+        if comm.rank == 1:
+            try:
+                serve_steps(FakeEngine(1), comm, RankMapping(spec.mapping, 1))
+            except CollectiveError:
+                return "no STOP came"  # close() sends none to ranks out of step (GlooComm's close fails their wait)
+        facade = DistributedEngine(spec, Broken(0), comm, 0.5)
+        try:
+            pool = facade.new_kv_cache(4)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                facade.forward(_batch(), pool)
+            with pytest.raises(RankFailure, match=r"rank 0 failed in a step the other ranks ran \(RuntimeError: out"):
+                facade.forward(_batch(), pool)
+            return facade.health()
+        finally:
+            facade.close()
+
+    health, worker = run_threads(rank, 2, timeout_s=0.5)
+    assert health == "rank 0 failed in a step the other ranks ran (RuntimeError: out of memory)"
+    assert worker == "no STOP came"

@@ -139,8 +139,8 @@ class DistributedEngine:
             raise ValueError("this KV pool was not made by this engine's new_kv_cache")
         with self._lock:
             self._check()
-            try:
-                self._send(*forward_message(batch, sampled, want, pool_id))
+            self._send(*forward_message(batch, sampled, want, pool_id))
+            try:  # from here on the other ranks run this step: whatever stops rank 0 leaves them out of step
                 logits = self.engine.forward(batch, pool)
                 if self._result_rank == 0:
                     return logits, {}
@@ -148,6 +148,9 @@ class DistributedEngine:
                 return recv_result(self.comm, self._result_rank, outputs, self.vocab_size, want, sampled)
             except CollectiveError as e:
                 self._fail(str(e))
+                raise
+            except Exception as e:
+                self._fail(f"rank 0 failed in a step the other ranks ran ({type(e).__name__}: {e})")
                 raise
             finally:
                 self._last = time.monotonic()
