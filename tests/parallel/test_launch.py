@@ -130,7 +130,9 @@ def test_pp_world_runs_as_one_rank(engines: dict[str, Path], reference: Any) -> 
 
 
 @pytest.mark.slow
-def test_idle_ranks_live_and_a_hung_rank_times_out_naming_it(engines: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+def test_idle_ranks_live_and_a_hung_rank_times_out_naming_it(
+    engines: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     timeout_s = 2.0
     monkeypatch.setenv(TIMEOUT_ENV, str(timeout_s))
     monkeypatch.setenv(STALL_ENV, "1:AllReduce:60")  # rank 1 sleeps in every all-reduce
@@ -226,10 +228,26 @@ def test_torchrun_ranks_join_one_world(engines: dict[str, Path], reference: Any)
                 p.kill()
 
 
-def test_a_multi_rank_engine_refuses_tensorrt(tmp_path: Path) -> None:
+@pytest.fixture
+def engines_spec(tmp_path: Path) -> EngineSpec:
+    """A 2-rank spec whose rank graphs exist (empty: nothing here opens them)."""
     kv = KVCacheSpec("float32", 2, 2, 16, 8)
     spec = EngineSpec(tmp_path, "onnxruntime", "float32", "float32", "LlamaForCausalLM", 64,
                       Limits(2, 64, 64, 16, 8), kv)  # fmt: skip
-    spec = replace(spec, mapping=Mapping.for_parallel(2, 1), ranks=tuple(RankSpec(r, r, 0, (0, 2), kv) for r in (0, 1)))
+    for r in (0, 1):
+        (tmp_path / f"rank{r}").mkdir()
+        (tmp_path / f"rank{r}" / MODEL_NAME).write_bytes(b"")
+    return replace(spec, mapping=Mapping.for_parallel(2, 1), ranks=tuple(RankSpec(r, r, 0, (0, 2), kv) for r in (0, 1)))
+
+
+def test_a_multi_rank_engine_refuses_tensorrt(engines_spec: EngineSpec) -> None:
     with pytest.raises(UserError, match=r"runs on the CPU engine only .* not tensorrt: TensorRT cannot run its"):
-        open_trusted(spec, "tensorrt")
+        open_trusted(engines_spec, "tensorrt")
+
+
+def test_one_multi_rank_engine_per_process(engines_spec: EngineSpec, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # as while another world is open here
+    with pytest.raises(UserError, match="another multi-rank engine is open in this process"):
+        open_trusted(engines_spec)

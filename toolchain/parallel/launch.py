@@ -60,6 +60,11 @@ def open_ranks(spec: EngineSpec, backend: str | None = None) -> Engine:
             f"{spec.engine_dir}: a {m.world_size}-rank engine (tp={m.tp_size}, pp={m.pp_size}) without "
             f"{', '.join(f'rank{r}/{MODEL_NAME}' for r in missing)}; the engine directory is incomplete, rebuild it"
         )
+    if dist.is_initialized():  # torch.distributed has one default process group per process
+        raise UserError(
+            f"{spec.engine_dir}: another multi-rank engine is open in this process (torch.distributed runs one "
+            "world per process); close it first, or compare the engines from separate processes"
+        )
     timeout_s = collective_timeout()
     if under_torchrun():
         return _join_torchrun(spec, backend, timeout_s)
