@@ -67,11 +67,11 @@ def open_ranks(spec: EngineSpec, backend: str | None = None) -> Engine:
         )
     timeout_s = collective_timeout()
     if under_torchrun():
-        return _join_torchrun(spec, backend, timeout_s)
-    return _spawn(spec, backend, timeout_s)
+        return _join_torchrun(spec, timeout_s)
+    return _spawn(spec, timeout_s)
 
 
-def _join_torchrun(spec: EngineSpec, backend: str | None, timeout_s: float) -> Engine:
+def _join_torchrun(spec: EngineSpec, timeout_s: float) -> Engine:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != spec.world_size:
         raise UserError(
@@ -82,11 +82,11 @@ def _join_torchrun(spec: EngineSpec, backend: str | None, timeout_s: float) -> E
     store = dist.distributed_c10d._get_default_store()
     threads = local_threads(int(os.environ.get("LOCAL_WORLD_SIZE") or world))
     if rank != 0:
-        raise SystemExit(run_worker(spec, rank, store, threads, backend))
-    return _rank0(spec, backend, timeout_s, store, threads, [])
+        raise SystemExit(run_worker(spec, rank, store, threads))
+    return _rank0(spec, timeout_s, store, threads, [])
 
 
-def _spawn(spec: EngineSpec, backend: str | None, timeout_s: float) -> Engine:
+def _spawn(spec: EngineSpec, timeout_s: float) -> Engine:
     world = spec.world_size
     store = TCPStore(HOST, 0, world, is_master=True, timeout=timedelta(seconds=max(timeout_s, 60)),
                           wait_for_workers=False)  # fmt: skip
@@ -94,7 +94,7 @@ def _spawn(spec: EngineSpec, backend: str | None, timeout_s: float) -> Engine:
     ctx = multiprocessing.get_context("spawn")
     procs = []
     for r in range(1, world):
-        args = (str(spec.engine_dir), r, world, HOST, store.port, timeout_s, threads, os.getpid(), backend)
+        args = (str(spec.engine_dir), r, world, HOST, store.port, timeout_s, threads, os.getpid())
         procs.append(ctx.Process(target=worker_main, args=args, daemon=True, name=f"trtbuild-rank{r}"))
     try:
         for p in procs:
@@ -107,16 +107,14 @@ def _spawn(spec: EngineSpec, backend: str | None, timeout_s: float) -> Engine:
     except BaseException:
         stop_ranks(procs, 0.0)
         raise
-    return _rank0(spec, backend, timeout_s, store, threads, procs)
+    return _rank0(spec, timeout_s, store, threads, procs)
 
 
-def _rank0(
-    spec: EngineSpec, backend: str | None, timeout_s: float, store: Any, threads: int, procs: list[Any]
-) -> Engine:
+def _rank0(spec: EngineSpec, timeout_s: float, store: Any, threads: int, procs: list[Any]) -> Engine:
     comm: GlooComm | None = None
     try:
         comm = GlooComm(mapping_groups(RankMapping(spec.mapping, 0)), timeout_s)
-        engine = open_rank_engine(spec, 0, comm, threads, backend)
+        engine = open_rank_engine(spec, 0, comm, threads)
         wait_for(store, READY_KEY, spec.world_size, procs, START_TIMEOUT_S, "open their engines")
     except BaseException:
         stop_ranks(procs, 0.0)

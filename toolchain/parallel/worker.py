@@ -194,20 +194,15 @@ def local_threads(local_world: int) -> int:
     return max(1, available_cores() // max(1, local_world))
 
 
-def open_rank_engine(spec: EngineSpec, rank: int, comm: Communicator, threads: int, backend: str | None) -> Engine:
-    """Rank `rank`'s own engine (its graph only), its collectives run by `comm`."""
+def open_rank_engine(spec: EngineSpec, rank: int, comm: Communicator, threads: int) -> Engine:
+    """Rank `rank`'s own engine (its graph only), its collectives run by `comm`: the CPU engine (launch.open_ranks
+    refused any other backend before a rank started)."""
     from toolchain.engine.ort_backend import OrtEngine
 
-    chosen = backend or spec.backend
-    if chosen != "onnxruntime":
-        raise UserError(
-            f"{spec.engine_dir}: a {spec.world_size}-rank engine runs on the CPU engine only (backend onnxruntime), "
-            f"not {chosen}: TensorRT cannot run the collective ops yet; open it with --backend onnxruntime"
-        )
     return OrtEngine(spec.for_rank(rank), threads=threads, comm=comm)
 
 
-def run_worker(spec: EngineSpec, rank: int, store: Store, threads: int, backend: str | None) -> int:
+def run_worker(spec: EngineSpec, rank: int, store: Store, threads: int) -> int:
     """A worker inside a started process group: make the groups, open its engine, say so, follow rank 0.
     -> the process's exit status."""
     from toolchain.parallel.comm import GlooComm, mapping_groups
@@ -217,7 +212,7 @@ def run_worker(spec: EngineSpec, rank: int, store: Store, threads: int, backend:
     try:
         comm = GlooComm(mapping_groups(where))
         try:
-            engine = open_rank_engine(spec, rank, comm, threads, backend)
+            engine = open_rank_engine(spec, rank, comm, threads)
         except Exception as e:  # said once, through the store: rank 0 raises it naming this rank
             text = " ".join(str(e).split())
             if not isinstance(e, UserError):
@@ -248,7 +243,6 @@ def worker_main(
     timeout_s: float,
     threads: int,
     parent: int,
-    backend: str | None = None,
 ) -> None:
     """The entry point of a spawned rank (launch.py): join rank 0's store and process group, then run_worker."""
     threading.Thread(target=_watch_parent, args=(parent, rank), daemon=True, name="parent-watch").start()
@@ -260,6 +254,6 @@ def worker_main(
     store.set(JOINED_KEY.format(rank=rank), "ok")
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=start)
     spec = EngineSpec.from_dir(Path(engine_dir))
-    code = run_worker(spec, rank, store, threads, backend)
+    code = run_worker(spec, rank, store, threads)
     sys.stdout.flush()
     os._exit(code)  # no atexit hooks: torch / ONNX Runtime teardown in a spawned child adds nothing but time
