@@ -292,15 +292,27 @@ def test_the_cli_exits_3_when_a_rank_fails(cli: Callable[..., Any], monkeypatch:
 
 def test_under_torchrun_only_rank_0_serves(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     """Every rank runs the same `trtbuild serve`; a rank > 0 runs its part inside open_engine (which returns only on
-    rank 0), without reading the API keys. If open_engine returns there, the engine was single-rank: refused."""
-    opened: list[str] = []
-    monkeypatch.setattr(server_module, "open_engine", lambda d: opened.append(str(d)) or FakeEngine())
+    rank 0), ignoring SIGTERM / SIGINT (rank 0 drains, then stops it) and without reading the API keys. If
+    open_engine returns there, the engine was single-rank: refused."""
+    opened: list[tuple[str, Any, Any]] = []
+
+    def open_engine(engine_dir: Any) -> FakeEngine:
+        opened.append((str(engine_dir), signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
+        return FakeEngine()
+
+    monkeypatch.setattr(server_module, "open_engine", open_engine)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     options = ServeOptions(host="0.0.0.0", api_keys=tmp_path / "not-mounted-on-workers")
-    with pytest.raises(UserError, match="torchrun started this process as rank 1 of 2, but the engine is single-rank"):
-        server_module.prepare(tmp_path / "engine", options)
-    assert opened == [str(tmp_path / "engine")]
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with pytest.raises(UserError, match="torchrun started this process as rank 1 of 2, but the engine is single"):
+            server_module.prepare(tmp_path / "engine", options)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert opened == [(str(tmp_path / "engine"), signal.SIG_IGN, signal.SIG_IGN)]
     monkeypatch.setenv("RANK", "0")  # rank 0 is the server: it checks its keys before it opens the engine
     with pytest.raises(UserError, match="not-mounted-on-workers"):
         server_module.prepare(tmp_path / "engine", options)

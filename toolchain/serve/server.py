@@ -24,6 +24,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -72,8 +73,8 @@ def _request_log() -> None:
 
 
 def _torchrun_rank() -> int | None:
-    """This process's global rank when torchrun started it (torchrun sets RANK and WORLD_SIZE), else None."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+    """This process's global rank when torchrun started it (it sets RANK, WORLD_SIZE, MASTER_ADDR), else None."""
+    if not all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
         return None
     try:
         return int(os.environ["RANK"])
@@ -87,6 +88,10 @@ def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
     if rank not in (None, 0):
         # Not the server: this rank runs its part of the engine inside open_engine until rank 0 stops it. It needs
         # no API keys (only rank 0 listens), so it does not read them: worker pods need not mount the Secret.
+        # torchrun passes SIGTERM (a pod's deletion) and a terminal's Ctrl-C reaches every rank: this one must live
+        # on while rank 0 drains, and exits when rank 0 stops it (or, rank 0 gone, when its collectives fail).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         open_engine(engine_dir)
         raise UserError(
             f"{engine_dir}: torchrun started this process as rank {rank} of {os.environ['WORLD_SIZE']}, but the "
