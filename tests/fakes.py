@@ -136,12 +136,14 @@ class FakeRankedEngine(FakeEngine):
         self.timeout_rank: int | None = None
         self.hang_s = 0.0
         self.closed = 0  # close() calls
+        self.closed_at = 0.0  # time.monotonic() of the last
 
     def health(self) -> str | None:
         return self.down
 
     def close(self) -> None:
         self.closed += 1
+        self.closed_at = time.monotonic()
 
     def kill_rank(self, rank: int, code: int = -9) -> None:
         self.down = f"rank {rank} died (exit {code})"

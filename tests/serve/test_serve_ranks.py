@@ -171,7 +171,10 @@ def _check_failed_server(served: Served, reason: str, failed_at: float) -> None:
     assert isinstance(result, EngineFailedExit), result
     assert result.exit_code == EXIT_ENGINE_FAILED == 3 and reason in str(result)
     assert served.outcome["ended"] - failed_at < EXIT_BOUND_S
-    assert served.state.engine.closed == 1  # type: ignore[attr-defined]
+    engine = served.state.engine
+    assert isinstance(engine, FakeRankedEngine) and engine.closed == 1
+    # closed as soon as the failure was seen, while the server lingered, not after it stopped
+    assert engine.closed_at - failed_at < WATCH_INTERVAL_S + 1.0 < FAILURE_LINGER_S
     with socket.socket() as again:  # the port is free again
         again.bind(("127.0.0.1", served.port))
 

@@ -117,6 +117,8 @@ class ServerState:
         self.ready = self.draining = False
         self.warmup_error: str | None = None
         self.inflight = 0
+        self._close_lock = threading.Lock()
+        self._engine_closed = False
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
 
@@ -130,11 +132,19 @@ class ServerState:
             self.ready = True
 
     def close(self) -> None:
-        """Stop the step loop, then the engine: a multi-rank engine's `close()` stops its ranks (workers joined,
-        killed after a grace; ports freed). Single-rank engines have nothing to close."""
+        """Stop the step loop, then the engine."""
         try:
             self.llm.close()
         finally:
+            self.close_engine()
+
+    def close_engine(self) -> None:
+        """Once, from whichever thread comes first: a multi-rank engine's `close()` stops its ranks (workers
+        joined, killed after a grace; ports freed). Single-rank engines have nothing to close."""
+        with self._close_lock:
+            if self._engine_closed:
+                return
+            self._engine_closed = True
             close = getattr(self.engine, "close", None)
             if callable(close):
                 close()

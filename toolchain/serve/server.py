@@ -45,6 +45,7 @@ from toolchain.serve.auth import read_keys
 WATCH_INTERVAL_S = 0.25  # how often the watchdog asks the engine's health
 FAILURE_LINGER_S = 2.0  # after a rank failure: probes read the reason, in-flight streams get their error events
 FORCE_EXIT_S = 2.0  # then uvicorn's graceful shutdown gets this long before open connections are dropped
+CLOSE_TIMEOUT_S = 120.0  # a multi-rank engine's close() is bounded itself (its lock, a grace, then kill): a backstop
 
 
 class EngineFailedExit(UserError):
@@ -150,6 +151,7 @@ class _Watchdog(threading.Thread):
         self.server = server
         self.reason: str | None = None
         self.done = threading.Event()  # the server has returned: nothing left to stop
+        self.closer: threading.Thread | None = None  # closes the failed engine while the server lingers
 
     def run(self) -> None:
         state = self.server.trtbuild
@@ -158,6 +160,10 @@ class _Watchdog(threading.Thread):
             if self.reason is None:
                 continue
             console.warn(f"engine failed: {self.reason}; stopping the server (exit {EXIT_ENGINE_FAILED})")
+            # no step can run any more: stopping the ranks now (a hung one is killed after a grace) overlaps the
+            # linger below instead of adding to the time to exit
+            self.closer = threading.Thread(target=state.close_engine, name="trtbuild-close-engine", daemon=True)
+            self.closer.start()
             if self.done.wait(FAILURE_LINGER_S):
                 return
             self.server.should_exit = True
@@ -180,6 +186,9 @@ def run(server: DrainingServer, sockets: list[socket.socket] | None = None) -> N
         raise UserError(f"could not listen on {options.host}:{options.port} (in use?); choose another --port") from e
     finally:
         watchdog.done.set()
+        watchdog.join(WATCH_INTERVAL_S + 1)
+        if watchdog.closer is not None:  # its workers must be gone before this process exits
+            watchdog.closer.join(CLOSE_TIMEOUT_S)
         state.close()
     if failed:
         raise EngineFailedExit(
