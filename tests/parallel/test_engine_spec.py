@@ -1,6 +1,6 @@
 """build_config.json of a multi-rank engine (issue 27): `mapping` and `ranks` written only when world_size > 1,
-read back and checked against the mapping, each rank's own spec (`for_rank`), and the refusal to open one until
-the process model (slice B) lands."""
+read back and checked against the mapping, each rank's own spec (`for_rank`), and the refusal to open one whose rank
+graphs are missing."""
 
 from __future__ import annotations
 
@@ -82,8 +82,6 @@ def test_malformed_rank_config_is_refused(tmp_path: Path, edit: Any, message: st
         EngineSpec.from_dir(tmp_path)
 
 
-def test_opening_a_multi_rank_engine_is_refused_until_slice_b(tmp_path: Path) -> None:
-    with pytest.raises(
-        UserError, match=r"a 4-rank engine \(tp=2, pp=2\); running multi-rank engines is not implemented"
-    ):
+def test_opening_a_multi_rank_engine_without_its_rank_graphs_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(UserError, match=r"a 4-rank engine \(tp=2, pp=2\) without rank0/model.onnx, rank1/model.onnx"):
         open_trusted(_spec(tmp_path))
