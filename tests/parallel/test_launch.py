@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import spawned
 from handmade import two_rank_engine
 
 from toolchain.checkpoint.trtllm import Mapping
@@ -164,19 +165,39 @@ def test_a_rank_that_cannot_open_its_graph_is_named(engines: dict[str, Path], tm
     assert multiprocessing.active_children() == []
 
 
-def _torchrun_rank(rank: int, port: int, engine_dir: str, out: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), TRTBUILD_ORT_THREADS="1")  # fmt: skip
+ORPHAN = """
+import os, signal, sys
+from pathlib import Path
+from toolchain.engine.api import open_engine
+engine = open_engine(Path(sys.argv[1]))
+print(engine.worker_pids[0], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.slow
+def test_workers_never_outlive_rank0(engines: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+
+    import toolchain
+
+    env = {**os.environ, "PYTHONPATH": str(Path(toolchain.__file__).parents[1])}
+    rank0 = subprocess.Popen([sys.executable, "-c", ORPHAN, str(engines["tp"])], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
     try:
-        engine = open_engine(Path(engine_dir))  # rank 1 never returns: it serves rank 0, then exits 0
-        batch = Batch.from_sequences([[1, 2, 3, 4, 5], [9, 8]], [0, 0], [[0, 1], [2]], all_logits=True)
-        logits = engine.forward(batch, engine.new_kv_cache(4))
-        out.put((rank, logits, getattr(engine, "worker_pids", None)))
-        engine.close()  # type: ignore[attr-defined]
-    except SystemExit:
-        raise
-    except BaseException as e:
-        out.put((rank, repr(e), None))
+        assert rank0.stdout is not None
+        worker = int(rank0.stdout.readline())
+        assert rank0.wait(60) == -signal.SIGKILL
+        deadline = time.monotonic() + 2
+        while not _gone(worker) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(worker), "rank 1 outlived rank 0 by 2 s"
+        _, stderr = rank0.communicate(timeout=10)
+    finally:
+        rank0.kill()
+    # its last words (on the stderr it inherited from rank 0): its broadcast failed, or it saw rank 0 gone
+    assert "trtbuild: rank 1: " in stderr, stderr
 
 
 @pytest.mark.slow
@@ -186,7 +207,7 @@ def test_torchrun_ranks_join_one_world(engines: dict[str, Path], reference: Any)
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_torchrun_rank, args=(r, port, str(engines["tp"]), out)) for r in range(2)]
+    procs = [ctx.Process(target=spawned.torchrun_rank, args=(r, port, str(engines["tp"]), out)) for r in range(2)]
     for p in procs:
         p.start()
     try:

@@ -41,8 +41,7 @@ BROADCAST_OP = "Broadcast"
 # joining the world and opening every rank's graph: minutes for a large model on a busy machine (the process
 # group's own timeout covers its rendezvous; each group made afterwards gets the collective timeout)
 START_TIMEOUT_S = 600.0
-# test-only: "RANK:OP:SECONDS[:FROM]" makes rank RANK sleep SECONDS before each OP from its FROM-th call (default 1)
-# on: a rank hung inside a collective
+# test-only: "RANK:OP:SECONDS" makes rank RANK sleep SECONDS before each OP (a rank hung inside a collective)
 STALL_ENV = "TRTBUILD_TEST_STALL_COLLECTIVE"
 
 _T = TypeVar("_T")
@@ -74,12 +73,12 @@ def mapping_groups(rank: RankMapping) -> list[tuple[int, ...]]:
     return sorted((g for g in groups if len(g) > 1), key=lambda g: (len(g), g))
 
 
-def _stall(rank: int, op: str, call: int) -> float:
+def _stall(rank: int, op: str) -> float:
     value = os.environ.get(STALL_ENV, "")
     if not value:
         return 0.0
-    who, what, seconds, *start = value.split(":")
-    return float(seconds) if int(who) == rank and what == op and call >= int(start[0] if start else 1) else 0.0
+    who, what, seconds = value.split(":")
+    return float(seconds) if int(who) == rank and what == op else 0.0
 
 
 class GlooComm:
@@ -101,7 +100,6 @@ class GlooComm:
         self._control = dist.new_group(world, timeout=timeout)
         self._p2p = dist.new_group(world, timeout=timeout)  # send / recv: the default group has the start timeout
         self._stats: dict[str, OpStats] = {}
-        self._calls: dict[str, int] = {}  # every call, failed ones too (the stall hook counts them)
         self._closed = False
 
     def _group(self, op: str, group: tuple[int, ...], what: str) -> None:
@@ -120,8 +118,7 @@ class GlooComm:
         start = time.perf_counter()
         if self._closed:
             raise CollectiveError(self.rank, op, what, group, self.timeout_s, "the communicator is closed")
-        self._calls[op] = self._calls.get(op, 0) + 1
-        stall = _stall(self.rank, op, self._calls[op])
+        stall = _stall(self.rank, op)
         if stall:
             time.sleep(stall)
         failure: str | None = None

@@ -176,12 +176,12 @@ def serve_steps(engine: Engine, comm: Communicator, rank: RankMapping) -> None:
                 send_result(comm, logits, want, sampled)
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, rank: int) -> None:
     """Exit the moment the parent (rank 0) is gone: its pid is no longer our parent's."""
-    while True:
-        if os.getppid() != parent:
-            os._exit(EXIT_COLLECTIVE)
+    while os.getppid() == parent:
         time.sleep(0.2)
+    print(f"trtbuild: rank {rank}: rank 0 (pid {parent}) is gone; exiting", file=sys.stderr, flush=True)
+    os._exit(EXIT_COLLECTIVE)
 
 
 def local_threads(local_world: int) -> int:
@@ -251,7 +251,7 @@ def worker_main(
     backend: str | None = None,
 ) -> None:
     """The entry point of a spawned rank (launch.py): join rank 0's store and process group, then run_worker."""
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+    threading.Thread(target=_watch_parent, args=(parent, rank), daemon=True, name="parent-watch").start()
     os.environ["TRTBUILD_COLLECTIVE_TIMEOUT"] = repr(timeout_s)  # rank 0 read it: every rank uses the same
     from toolchain.parallel.comm import START_TIMEOUT_S
 
