@@ -1,29 +1,42 @@
-"""Serving a multi-rank engine when a rank fails (issue 27, D9): a dead worker or a timed-out collective is terminal.
+"""Serving a multi-rank engine (issue 27, D9/D10), and what a rank failure does: a dead worker or a timed-out
+collective is terminal.
 
 The step loop ends every request with the reason and refuses new ones, /health and /ready answer 503 with the
 reason, streams end with an SSE error event, and `trtbuild serve` exits 3 after closing the engine; an ordinary
-engine error stays per batch, and a drain is unaffected. Here on the fake rank-0 facade of tests/fakes.py
+engine error stays per batch, and a drain is unaffected. First on the fake rank-0 facade of tests/fakes.py
 (`FakeRankedEngine`: health(), close(), a rank that dies or times out), in this process: milliseconds per step,
-so the bounds asserted are the server's own (watchdog, linger, shutdown), not the engine's.
+so the bounds asserted are the server's own (watchdog, linger, shutdown). Then (slow) on a real TP=2 engine:
+`python -m toolchain serve` in a subprocess of its own session, its rank 1 a spawned process found among the
+server's children in /proc, answering the `openai` client, then SIGKILLed or SIGSTOPped mid-stream.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import pytest
 import uvicorn
 from fakes import FakeEngine, FakeRankedEngine, expected_output
 
+from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.tiny import make_tiny_llama
+from toolchain.engine.api import load_tokenizer, open_engine
+from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.errors import UserError
 from toolchain.runtime.llm_engine import EngineFailed, LLMEngine
 from toolchain.runtime.request import FinishReason, SamplingParams
@@ -126,8 +139,8 @@ class Stream:
     started: threading.Event = field(default_factory=threading.Event)
     ended_at: float = 0.0
 
-    def read(self, url: str, max_tokens: int) -> None:
-        body = {"model": MODEL, "prompt": "rank", "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    def read(self, url: str, max_tokens: int, model: str = MODEL) -> None:
+        body = {"model": model, "prompt": "rank", "max_tokens": max_tokens, "temperature": 0, "stream": True}
         with httpx.Client(timeout=TIMEOUT) as http, http.stream("POST", url + "/v1/completions", json=body) as r:
             self.status = r.status_code
             for line in r.iter_lines():
@@ -320,3 +333,161 @@ def test_under_torchrun_only_rank_0_serves(monkeypatch: pytest.MonkeyPatch, tmp_
     with pytest.raises(UserError, match="not-mounted-on-workers"):
         server_module.prepare(tmp_path / "engine", options)
     assert len(opened) == 1
+
+
+# -- a real TP=2 engine: `trtbuild serve` in a subprocess, its worker a spawned process (slow) ----------------------
+REAL_MODEL = "tiny-tp2"
+REAL_SEQ_LEN = 512  # long enough that a stream is still running when its worker is killed
+
+
+@pytest.fixture(scope="module")
+def tp2_engines(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny Llama (8 heads, 2 KV heads) built unsplit and over tp=2: -> (TP=1 engine, TP=2 engine)."""
+    tmp = tmp_path_factory.mktemp("serve-tp2")
+    make_tiny_llama(tmp / "hf")
+    opts = BuildOptions(backend="onnxruntime", max_seq_len=REAL_SEQ_LEN, max_batch_size=4, max_num_tokens=256)
+    for tp in (1, 2):
+        convert(tmp / "hf", tmp / f"ckpt-tp{tp}", tp=tp)
+        build_engine(tmp / f"ckpt-tp{tp}", tmp / f"engine-tp{tp}", opts)
+    return tmp / "engine-tp1", tmp / "engine-tp2"
+
+
+@dataclass
+class CliServer:
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def status(self, path: str) -> int | None:
+        try:
+            return httpx.get(self.url + path, timeout=2.0).status_code
+        except httpx.TransportError:
+            return None
+
+    def children(self) -> dict[int, str]:
+        """The server's child processes: pid -> command line (from /proc: the same user's processes, read only)."""
+        found = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == self.proc.pid:  # the field after the state is the parent's pid
+                    found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        return found
+
+    def worker_pid(self) -> int:
+        """Rank 1: the server's one child started by multiprocessing's spawn (the other may be its resource
+        tracker)."""
+        (pid,) = [pid for pid, cmd in self.children().items() if "spawn_main" in cmd]
+        return pid
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def cli_server(engine_dir: Path, tmp_path: Path, collective_timeout: float = 30.0) -> Iterator[CliServer]:
+    """`python -m toolchain serve ENGINE` in its own session (so that its process group is its and its ranks'),
+    ready when yielded; killed with its group at the end whatever happened."""
+    port = _free_port()
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "TRTBUILD_COLLECTIVE_TIMEOUT": str(collective_timeout), "TRTBUILD_ORT_THREADS": "1"}
+    argv = [sys.executable, "-m", "toolchain", "serve", str(engine_dir), "--port", str(port)]
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [*argv, "--served-model-name", REAL_MODEL], stdout=subprocess.DEVNULL, stderr=stderr, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+    server = CliServer(proc, port, log)
+    try:
+        wait_until(lambda: proc.poll() is not None or server.status("/ready") == 200, "the TP=2 server", 120)
+        assert proc.poll() is None, log.read_text()
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def _group_gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _fail_the_worker(server: CliServer, sig: signal.Signals, timeout: float, reason: str, exit_within: float) -> float:
+    """Stream, signal the worker, then: the stream ends with an error event matching `reason`, /health says 503
+    with it within the timeout + 2 s, the server exits 3 within `exit_within` s, its process group is empty, its
+    port binds again. -> seconds from the signal to the exit."""
+    worker = server.worker_pid()
+    stream = Stream()
+    reader = threading.Thread(target=stream.read, args=(server.url, REAL_SEQ_LEN - 16, REAL_MODEL), daemon=True)
+    reader.start()
+    assert stream.started.wait(TIMEOUT), "the stream never started"
+    os.kill(worker, sig)
+    failed_at = time.monotonic()
+    wait_until(lambda: server.status("/health") == 503, "/health to say 503", timeout + 2)
+    health = httpx.get(server.url + "/health", timeout=TIMEOUT)
+    assert health.status_code == 503 and re.search(reason, health.json()["status"]), health.text
+    reader.join(TIMEOUT)
+    assert stream.status == 200 and stream.texts and stream.finish is None and stream.done
+    (error,) = stream.errors
+    assert re.search(reason, error["message"]), error
+    code = server.proc.wait(timeout=exit_within + 5)
+    exited_after = time.monotonic() - failed_at
+    log = server.log.read_text()
+    assert code == 3, log
+    assert exited_after < exit_within, f"exit {exited_after:.1f} s after the failure"
+    assert re.search(f"the engine failed: .*({reason})", log), log
+    wait_until(lambda: _group_gone(server.proc.pid), "every process of the server's group to exit", 5)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", server.port))
+    return exited_after
+
+
+@pytest.mark.slow
+def test_a_tp2_engine_serves_the_openai_client_until_its_worker_is_killed(
+    tp2_engines: tuple[Path, Path], tmp_path: Path
+) -> None:
+    one, two = tp2_engines
+    prompt = "The build farm"
+    with LLMEngine(open_engine(one), load_tokenizer(one)) as llm:  # what the single-rank engine generates
+        expected = llm.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0))[0].text
+    with cli_server(two, tmp_path) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=TIMEOUT, max_retries=0)
+        (card,) = client.models.list().data
+        assert card.id == REAL_MODEL
+        done = client.completions.create(model=REAL_MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        assert done.choices[0].finish_reason == "length" and done.usage is not None
+        assert done.usage.completion_tokens == 12 and done.choices[0].text == expected
+        chunks = client.completions.create(model=REAL_MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        streamed = list(chunks)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == expected
+        assert streamed[-1].choices[0].finish_reason == "length"
+        assert "2 ranks: tp=2 pp=1" in server.log.read_text()
+        # Now the worker dies. Whichever rank 0 notices first names it: its process monitor, or the collective
+        # whose peer closed its socket; either way at once, not after the collective timeout (the default 30 s).
+        dead = r"rank 1 died \(exit -9\)|rank 0: \w+ .* on group \[0, 1\] failed .* waiting for rank 1"
+        took = _fail_the_worker(server, signal.SIGKILL, 30.0, dead, exit_within=10.0)
+    print(f"SIGKILL: exit 3 after {took:.2f} s")
+
+
+@pytest.mark.slow
+def test_a_hung_worker_times_out_and_the_server_exits_3(tp2_engines: tuple[Path, Path], tmp_path: Path) -> None:
+    timeout = 3.0
+    # D9's bound is the collective timeout + 5 s. A stopped process also ignores SIGTERM until it is continued, so
+    # DistributedEngine.close() (parallel/engine.py stop_ranks) kills it only after its 2 s wait for SIGTERM, which a
+    # hung process that still takes signals does not cost.
+    sigterm_ignored_s = 2.0
+    hung = r"rank 0: \w+ .* on group \[0, 1\] failed \(timeout 3 s\)"
+    with cli_server(tp2_engines[1], tmp_path, collective_timeout=timeout) as server:
+        took = _fail_the_worker(server, signal.SIGSTOP, timeout, hung, exit_within=timeout + 5 + sigterm_ignored_s)
+    print(f"SIGSTOP: exit 3 after {took:.2f} s (collective timeout {timeout:g} s)")
