@@ -261,6 +261,8 @@ def test_lws_env_names_exist() -> None:
                 assert name in LWS_ENV | set(env), f"{role}: $({name}) is neither set by LWS nor in env"
         for name in env:
             assert _reads_env(name), f"{role}: nothing reads env {name}"
+    leader, worker = (_env(_lws_pod(role)[1]) for role in ("leader", "worker"))
+    assert leader == worker  # the collective timeout above all: both ends of a collective wait as long
 
 
 def test_lws_probes_ports_and_metrics_on_the_leader_only() -> None:

@@ -423,9 +423,11 @@ def _group_gone(pgid: int) -> bool:
     return False
 
 
-def _fail_the_worker(server: CliServer, sig: signal.Signals, timeout: float, reason: str, exit_within: float) -> float:
+def _fail_the_worker(
+    server: CliServer, sig: signal.Signals, reason: str, health_within: float, exit_within: float
+) -> float:
     """Stream, signal the worker, then: the stream ends with an error event matching `reason`, /health says 503
-    with it within the timeout + 2 s, the server exits 3 within `exit_within` s, its process group is empty, its
+    with it within `health_within` s, the server exits 3 within `exit_within` s, its process group is empty, its
     port binds again. -> seconds from the signal to the exit."""
     worker = server.worker_pid()
     stream = Stream()
@@ -434,7 +436,7 @@ def _fail_the_worker(server: CliServer, sig: signal.Signals, timeout: float, rea
     assert stream.started.wait(TIMEOUT), "the stream never started"
     os.kill(worker, sig)
     failed_at = time.monotonic()
-    wait_until(lambda: server.status("/health") == 503, "/health to say 503", timeout + 2)
+    wait_until(lambda: server.status("/health") == 503, "/health to say 503", health_within)
     health = httpx.get(server.url + "/health", timeout=TIMEOUT)
     assert health.status_code == 503 and re.search(reason, health.json()["status"]), health.text
     reader.join(TIMEOUT)
@@ -476,7 +478,7 @@ def test_a_tp2_engine_serves_the_openai_client_until_its_worker_is_killed(
         # Now the worker dies. Whichever rank 0 notices first names it: its process monitor, or the collective
         # whose peer closed its socket; either way at once, not after the collective timeout (the default 30 s).
         dead = r"rank 1 died \(exit -9\)|rank 0: \w+ .* on group \[0, 1\] failed .* waiting for rank 1"
-        took = _fail_the_worker(server, signal.SIGKILL, 30.0, dead, exit_within=10.0)
+        took = _fail_the_worker(server, signal.SIGKILL, dead, health_within=2.0, exit_within=10.0)
     print(f"SIGKILL: exit 3 after {took:.2f} s")
 
 
@@ -489,5 +491,6 @@ def test_a_hung_worker_times_out_and_the_server_exits_3(tp2_engines: tuple[Path,
     sigterm_ignored_s = 2.0
     hung = r"rank 0: \w+ .* on group \[0, 1\] failed \(timeout 3 s\)"
     with cli_server(tp2_engines[1], tmp_path, collective_timeout=timeout) as server:
-        took = _fail_the_worker(server, signal.SIGSTOP, timeout, hung, exit_within=timeout + 5 + sigterm_ignored_s)
+        bound = timeout + 5 + sigterm_ignored_s
+        took = _fail_the_worker(server, signal.SIGSTOP, hung, health_within=timeout + 2, exit_within=bound)
     print(f"SIGSTOP: exit 3 after {took:.2f} s (collective timeout {timeout:g} s)")

@@ -38,6 +38,7 @@ import uvicorn
 from toolchain import console
 from toolchain.engine.api import load_tokenizer, open_engine
 from toolchain.errors import UserError
+from toolchain.parallel.launch import under_torchrun
 from toolchain.serve import EXIT_ENGINE_FAILED
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
 from toolchain.serve.auth import read_keys
@@ -74,8 +75,8 @@ def _request_log() -> None:
 
 
 def _torchrun_rank() -> int | None:
-    """This process's global rank when torchrun started it (it sets RANK, WORLD_SIZE, MASTER_ADDR), else None."""
-    if not all(os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR")):
+    """This process's global rank when torchrun started it (as parallel/launch.py tells), else None."""
+    if not under_torchrun():
         return None
     try:
         return int(os.environ["RANK"])
