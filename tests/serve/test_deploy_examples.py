@@ -214,6 +214,8 @@ def _torchrun(container: dict[str, Any]) -> tuple[dict[str, str], list[str]]:
 
 
 def _env(container: dict[str, Any]) -> dict[str, str]:
+    names = [e["name"] for e in container.get("env", [])]
+    assert len(names) == len(set(names)), f"{container['name']}: an env name twice: {names}"
     return {e["name"]: str(e.get("value", "")) for e in container.get("env", [])}
 
 
