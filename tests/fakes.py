@@ -4,18 +4,24 @@ It keeps the engine contract for real: each call checks the packed batch, writes
 KV pool (as its "K", at the slot the block table names) and reads each sequence's whole context back from the
 pool to pick the next token. So greedy output is a known function of the context (`expected_output`), and a
 block table that points at a block holding other tokens (a prefix-cache mistake) changes the output.
+
+`FakeRankedEngine` adds what a multi-rank engine's rank-0 facade has (issue 27): `health()`, `close()`, and ranks
+that die or time out, for the rank-failure tests of the runtime and the server.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from toolchain.checkpoint.trtllm import Mapping
 from toolchain.engine.api import EngineSpec, KVCacheSpec, Limits, StepTokens, tokens_on_host
+from toolchain.engine.collectives import CollectiveError
 from toolchain.engine.contract import Batch
 
 VOCAB = 320  # as the tiny model's byte-level tokenizer: 3 specials + 256 bytes fit
@@ -113,3 +119,45 @@ class FakeEngine:
         self.calls += 1
         self.seen += int(batch.new_lens.size)
         return logits
+
+
+class FakeRankedEngine(FakeEngine):
+    """A multi-rank engine's rank-0 facade as the runtime and the server see it (issue 27): `FakeEngine` plus the
+    optional `health()` and `close()` of the Engine protocol, and ways to fail as real ranks do.
+
+    `kill_rank(r)`: a worker died, as the facade's process monitor reports it at once (`health()` names it); the
+    next forward then raises what gloo raises when a peer is gone (a plain RuntimeError). `time_out(r)`: the next
+    forward raises the `CollectiveError` of a collective that timed out on rank `r`, after `hang_s`."""
+
+    def __init__(self, limits: Limits | None = None, delay_s: float = 0.0, world_size: int = 2):
+        super().__init__(limits, delay_s=delay_s)
+        self.spec = replace(self.spec, mapping=Mapping.for_parallel(world_size, 1))
+        self.down: str | None = None
+        self.timeout_rank: int | None = None
+        self.hang_s = 0.0
+        self.closed = 0  # close() calls
+        self.closed_at = 0.0  # time.monotonic() of the last
+
+    def health(self) -> str | None:
+        return self.down
+
+    def close(self) -> None:
+        self.closed += 1
+        self.closed_at = time.monotonic()
+
+    def kill_rank(self, rank: int, code: int = -9) -> None:
+        self.down = f"rank {rank} died (exit {code})"
+
+    def time_out(self, rank: int, hang_s: float = 0.0) -> None:
+        self.timeout_rank, self.hang_s = rank, hang_s
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        if self.down is not None:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500")
+        if self.timeout_rank is not None:
+            time.sleep(self.hang_s)
+            group = tuple(range(self.spec.mapping.world_size))
+            raise CollectiveError(
+                self.timeout_rank, "AllReduce", "after layer 0 mlp.proj", group, self.hang_s, "timed out"
+            )
+        return super().forward(batch, kv_cache)

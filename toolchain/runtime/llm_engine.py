@@ -9,6 +9,12 @@ cancelled, timed out, refused, or failed because the engine raised.
 
 `heartbeat` is the loop's last sign of life (after every step, and twice a second while idle): a health check that
 reads it notices an engine call that hangs, which a check of the process alone would not.
+
+Failures: an engine call that raises fails the requests of that batch, and the loop goes on. A rank failure of a
+multi-rank engine (a `CollectiveError`, or a reason from the engine's optional `health()`: "rank 1 died (exit -9)")
+is terminal instead: the ranks' state no longer agrees and no later step could be trusted, so the loop ends every
+request with that reason, stops, sets `fatal`, and refuses later submits (`EngineFailed`). The server exits on it and
+its supervisor starts the group again.
 """
 
 from __future__ import annotations
@@ -26,10 +32,28 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from toolchain.engine.api import Engine
+from toolchain.engine.collectives import CollectiveError
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent
 
 _IDLE_TICK_S = 0.5
+
+
+class EngineFailed(RuntimeError):
+    """A submit to an engine loop that a rank failure stopped for good."""
+
+
+def engine_health(engine: Engine) -> str | None:
+    """Why `engine` cannot run any more (a multi-rank engine's dead or hung rank), or None. Engines without a
+    `health()` (single-rank ones) are healthy as long as their calls return."""
+    check = getattr(engine, "health", None)
+    if not callable(check):
+        return None
+    try:
+        reason = check()
+    except Exception as e:  # a health check that cannot tell is not a healthy answer
+        return f"the engine's health check raised {type(e).__name__}: {e}"
+    return str(reason) if reason else None
 
 
 class Tokenizer(Protocol):
@@ -151,6 +175,7 @@ class LLMEngine:
         self._async_out: list[tuple[RequestStream, TokenEvent]] = []  # written by the loop thread only
         self.heartbeat = time.monotonic()
         self.failure: str | None = None  # the last engine error, for health checks and logs
+        self.fatal: str | None = None  # the rank failure that stopped the loop for good (see the module docstring)
         self.on_step: Callable[[Runtime], None] | None = None  # called by the loop thread after each step
 
     # -- callers ------------------------------------------------------------------------------------------------
@@ -200,6 +225,8 @@ class LLMEngine:
     # -- the loop thread ----------------------------------------------------------------------------------------
     def _command(self, fn: Callable[[], object]) -> None:
         with self._lock:  # no command can slip in after close() decided to stop: it would never be answered
+            if self.fatal is not None:
+                raise EngineFailed(f"the engine failed and its loop stopped: {self.fatal}")
             if self._stop:
                 raise RuntimeError("the engine loop is closed")
             self._inbox.append(fn)
@@ -252,6 +279,10 @@ class LLMEngine:
             self._dispatch()
             self._stopped = True
             return
+        down = engine_health(self.engine)  # before the step: a rank already gone would only make it wait
+        if down is not None:
+            self._fail(rt, down)
+            return
         if not rt.has_work:
             self._dispatch()
             self._wake.wait(_IDLE_TICK_S)
@@ -259,7 +290,13 @@ class LLMEngine:
         steps = rt.steps
         try:
             rt.step()
-        except Exception as e:  # an engine failure ends the requests in flight, not the server
+        except Exception as e:  # an engine failure ends the requests in flight, not the server ...
+            down = engine_health(self.engine)
+            if down is None and isinstance(e, CollectiveError):
+                down = str(e)
+            if down is not None:  # ... unless a rank failed: then nothing after this step can be trusted
+                self._fail(rt, down)
+                return
             self.failure = f"{type(e).__name__}: {e}"
             rt.end_all(Status.FAILED, FinishReason.ERROR, f"engine error: {self.failure}")
         if self.on_step is not None:
@@ -267,6 +304,17 @@ class LLMEngine:
         self._dispatch()
         if rt.steps == steps:  # nothing could be scheduled: wait for a command instead of spinning
             self._wake.wait(0.001)
+
+    def _fail(self, rt: Runtime, reason: str) -> None:
+        """A rank failure: end every request with it, refuse new ones, stop the loop."""
+        self.failure = reason
+        with self._lock:
+            self.fatal = reason  # from here on _command refuses: the inbox only shrinks
+        while self._inbox:  # admit what was submitted already, so that it ends below with the reason
+            self._inbox.popleft()()
+        rt.end_all(Status.FAILED, FinishReason.ERROR, f"engine error: {reason}")
+        self._dispatch()
+        self._stopped = True
 
     @property
     def alive(self) -> bool:

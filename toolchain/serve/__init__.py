@@ -14,3 +14,4 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0  # SIGTERM -> stop admitting, let in-flight reque
 DEFAULT_REQUEST_TIMEOUT_S = 600.0
 DEFAULT_MAX_QUEUE = 256
 ENGINE_HEADER = "x-trtbuild-engine"  # every response: the engine's manifest sha256
+EXIT_ENGINE_FAILED = 3  # `trtbuild serve`'s exit status when a rank of its engine failed (dead or timed out)

@@ -7,6 +7,10 @@ API key (401), body (400 naming the field), engine limits (400), rate limits (42
 Retry-After). Load never produces a 5xx: beyond the queue a request is told when to retry. A request that was
 admitted ends with a response, a timeout (408), or an abort when its client goes away — the runtime frees its KV
 blocks before the next step.
+
+A multi-rank engine whose rank failed (its `health()` gives the reason, or the step loop stopped on a
+`CollectiveError`) cannot serve again: /health and /ready answer 503 with the reason, requests in flight end with
+an error (an SSE error event once a stream has begun), new ones get 503, and `serve` exits (server.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from toolchain.engine.api import Engine
-from toolchain.runtime.llm_engine import LLMEngine, RequestStream
+from toolchain.runtime.llm_engine import EngineFailed, LLMEngine, RequestStream, engine_health
 from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent
 from toolchain.serve import (
     DEFAULT_DRAIN_TIMEOUT_S,
@@ -103,7 +107,7 @@ class ServerState:
     """Everything the routes share: the engine loop, keys and limits, metrics, readiness and drain."""
 
     def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions, keys: list[ApiKey] | None):
-        self.spec, self.tokenizer, self.options = engine.spec, tokenizer, options
+        self.engine, self.spec, self.tokenizer, self.options = engine, engine.spec, tokenizer, options
         self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
         self.llm = LLMEngine(engine, tokenizer)
         self.metrics = Metrics(engine.spec, self.model_name)
@@ -113,6 +117,8 @@ class ServerState:
         self.ready = self.draining = False
         self.warmup_error: str | None = None
         self.inflight = 0
+        self._close_lock = threading.Lock()
+        self._engine_closed = False
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
 
@@ -125,11 +131,36 @@ class ServerState:
         else:
             self.ready = True
 
+    def close(self) -> None:
+        """Stop the step loop, then the engine."""
+        try:
+            self.llm.close()
+        finally:
+            self.close_engine()
+
+    def close_engine(self) -> None:
+        """Once, from whichever thread comes first: a multi-rank engine's `close()` stops its ranks (workers
+        joined, killed after a grace; ports freed). Single-rank engines have nothing to close."""
+        with self._close_lock:
+            if self._engine_closed:
+                return
+            self._engine_closed = True
+            close = getattr(self.engine, "close", None)
+            if callable(close):
+                close()
+
     def _probe_token(self) -> int:
         bos = getattr(self.tokenizer, "bos_token_id", None)
         return int(bos) if isinstance(bos, int) else 0
 
+    def engine_failure(self) -> str | None:
+        """Why the engine can never serve again (a rank failed), or None."""
+        return self.llm.fatal or engine_health(self.engine)
+
     def health(self) -> tuple[bool, str]:
+        failed = self.engine_failure()
+        if failed:
+            return False, f"engine failed: {failed}"
         if self.warmup_error:
             return False, f"warm-up failed: {self.warmup_error}"
         if not self.llm.alive and not self.draining:
@@ -198,6 +229,9 @@ def _install_probes(app: FastAPI, state: ServerState) -> None:
 
     @app.get(READY_PATH)
     async def ready() -> JSONResponse:
+        failed = state.engine_failure()
+        if failed:
+            return JSONResponse({"status": f"engine failed: {failed}"}, status_code=503)
         if state.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         if not state.ready:
@@ -213,9 +247,12 @@ def _install_probes(app: FastAPI, state: ServerState) -> None:
 
     async def _probe() -> JSONResponse:
         started = time.monotonic()
-        stream = state.llm.submit(
-            [state._probe_token()], SamplingParams(max_new_tokens=1, temperature=0), loop=asyncio.get_running_loop()
-        )
+        try:
+            stream = state.llm.submit(
+                [state._probe_token()], SamplingParams(max_new_tokens=1, temperature=0), loop=asyncio.get_running_loop()
+            )
+        except RuntimeError as e:  # the loop stopped: a rank failed, or the server is shutting down
+            return JSONResponse({"status": str(e)}, status_code=503)
         try:
             event = await stream.get(timeout=state.options.heartbeat_timeout)
             while not event.finished:
@@ -388,6 +425,9 @@ def _unavailable(why: str) -> ApiError:
 
 
 def _check_open(state: ServerState) -> None:
+    failed = state.engine_failure()
+    if failed:
+        raise _unavailable(f"the engine failed ({failed}); this server is exiting")
     if state.draining:
         raise _reject(state, "draining", _unavailable("the server is draining"))
     if not state.ready:
@@ -428,6 +468,9 @@ def _admit(
     rid = new_id(id_prefix)
     try:
         stream = state.llm.submit(ids, params, rid, state.options.request_timeout, loop)
+    except EngineFailed as e:  # a rank failed between the checks and here
+        state.limiter.refund(key_id, reserved)
+        raise _unavailable(f"{e}; this server is exiting") from e
     except RuntimeError as e:  # the engine loop closed (end of a drain) between the checks and here
         state.limiter.refund(key_id, reserved)
         raise _unavailable("the server is shutting down") from e

@@ -8,12 +8,24 @@ one real token came out).
 Drain: the first SIGTERM or SIGINT makes /ready answer 503 and new requests 503, lets the requests in flight
 finish for up to --drain-timeout seconds, cancels what is left, and exits 0; a second signal exits at once.
 Kubernetes sends SIGTERM and waits terminationGracePeriodSeconds, which must exceed the drain timeout.
+
+Rank failure (multi-rank engines): a watchdog polls the engine's health; once a rank is dead or a collective timed
+out, /health says why for FAILURE_LINGER_S, the server stops, closes the engine (its workers stopped, killed after
+a grace) and `trtbuild serve` exits EXIT_ENGINE_FAILED (3), within the collective timeout + 5 s of the failure, so
+that its supervisor (Kubernetes, torchrun, systemd) starts the whole group again. A group cannot heal a lost rank
+in place: the survivors' collectives are out of step.
+
+Under torchrun every rank runs this same command; only global rank 0 gets past `open_engine` and listens, the others
+serve their part of the engine until rank 0 stops them.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -26,8 +38,21 @@ import uvicorn
 from toolchain import console
 from toolchain.engine.api import load_tokenizer, open_engine
 from toolchain.errors import UserError
+from toolchain.parallel.launch import under_torchrun
+from toolchain.serve import EXIT_ENGINE_FAILED
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
 from toolchain.serve.auth import read_keys
+
+WATCH_INTERVAL_S = 0.25  # how often the watchdog asks the engine's health
+FAILURE_LINGER_S = 2.0  # after a rank failure: probes read the reason, in-flight streams get their error events
+FORCE_EXIT_S = 2.0  # then uvicorn's graceful shutdown gets this long before open connections are dropped
+CLOSE_TIMEOUT_S = 120.0  # a multi-rank engine's close() is bounded itself (its lock, a grace, then kill): a backstop
+
+
+class EngineFailedExit(UserError):
+    """A rank of the served engine failed: the server stopped, and the CLI exits 3."""
+
+    exit_code = EXIT_ENGINE_FAILED
 
 
 def is_loopback(host: str) -> bool:
@@ -49,8 +74,31 @@ def _request_log() -> None:
     logger.propagate = False
 
 
+def _torchrun_rank() -> int | None:
+    """This process's global rank when torchrun started it (as parallel/launch.py tells), else None."""
+    if not under_torchrun():
+        return None
+    try:
+        return int(os.environ["RANK"])
+    except ValueError:
+        raise UserError(f"RANK={os.environ['RANK']!r}: expected the integer torchrun sets") from None
+
+
 def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
     """Every check that may refuse to start, then the loaded engine (warm-up not started)."""
+    rank = _torchrun_rank()
+    if rank not in (None, 0):
+        # Not the server: this rank runs its part of the engine inside open_engine until rank 0 stops it. It needs
+        # no API keys (only rank 0 listens), so it does not read them: worker pods need not mount the Secret.
+        # torchrun passes SIGTERM (a pod's deletion) and a terminal's Ctrl-C reaches every rank: this one must live
+        # on while rank 0 drains, and exits when rank 0 stops it (or, rank 0 gone, when its collectives fail).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        open_engine(engine_dir)
+        raise UserError(
+            f"{engine_dir}: torchrun started this process as rank {rank} of {os.environ['WORLD_SIZE']}, but the "
+            "engine is single-rank; serve it without torchrun (or with --nproc-per-node=1 --nnodes=1)"
+        )
     if options.api_keys is None and not is_loopback(options.host):
         raise UserError(
             f"--host {options.host}: without --api-keys the server only listens on loopback (127.0.0.1, ::1); "
@@ -96,6 +144,59 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+class _Watchdog(threading.Thread):
+    """Stops the server once the engine has failed (see the module docstring); `reason` says why."""
+
+    def __init__(self, server: DrainingServer) -> None:
+        super().__init__(name="trtbuild-watchdog", daemon=True)
+        self.server = server
+        self.reason: str | None = None
+        self.done = threading.Event()  # the server has returned: nothing left to stop
+        self.closer: threading.Thread | None = None  # closes the failed engine while the server lingers
+
+    def run(self) -> None:
+        state = self.server.trtbuild
+        while not self.done.wait(WATCH_INTERVAL_S):
+            self.reason = state.engine_failure()
+            if self.reason is None:
+                continue
+            console.warn(f"engine failed: {self.reason}; stopping the server (exit {EXIT_ENGINE_FAILED})")
+            # no step can run any more: stopping the ranks now (a hung one is killed after a grace) overlaps the
+            # linger below instead of adding to the time to exit
+            self.closer = threading.Thread(target=state.close_engine, name="trtbuild-close-engine", daemon=True)
+            self.closer.start()
+            if self.done.wait(FAILURE_LINGER_S):
+                return
+            self.server.should_exit = True
+            if not self.done.wait(FORCE_EXIT_S):
+                self.server.force_exit = True
+            return
+
+
+def run(server: DrainingServer, sockets: list[socket.socket] | None = None) -> None:
+    """Serve until drained (returns) or until the engine fails (EngineFailedExit, exit 3); the engine is closed
+    either way. `sockets`: already bound listening sockets (tests), else uvicorn binds config's host and port."""
+    state = server.trtbuild
+    watchdog = _Watchdog(server)
+    watchdog.start()
+    try:
+        server.run(sockets=sockets)
+        failed = watchdog.reason or state.engine_failure()
+    except SystemExit as e:  # uvicorn exits (code 3) when it cannot bind
+        options = state.options
+        raise UserError(f"could not listen on {options.host}:{options.port} (in use?); choose another --port") from e
+    finally:
+        watchdog.done.set()
+        watchdog.join(WATCH_INTERVAL_S + 1)
+        if watchdog.closer is not None:  # its workers must be gone before this process exits
+            watchdog.closer.join(CLOSE_TIMEOUT_S)
+        state.close()
+    if failed:
+        raise EngineFailedExit(
+            f"the engine failed: {failed}; exiting {EXIT_ENGINE_FAILED} so that the supervisor starts the group again"
+        )
+
+
 def serve(engine_dir: Path, options: ServeOptions) -> None:
     state = prepare(engine_dir, options)
     _request_log()
@@ -109,17 +210,12 @@ def serve(engine_dir: Path, options: ServeOptions) -> None:
         lifespan="off",
         timeout_graceful_shutdown=int(options.drain_timeout) + 10,  # never wait forever on an open connection
     )
-    server = DrainingServer(config, state)
     start_warm_up(state)
-    spec = state.spec
+    spec, m = state.spec, state.spec.mapping
+    ranks = f", {m.world_size} ranks: tp={m.tp_size} pp={m.pp_size}" if m.world_size > 1 else ""
     console.info(
-        f"serving {state.model_name!r} ({spec.architecture}, {spec.quant_algo}, {spec.backend}, engine "
+        f"serving {state.model_name!r} ({spec.architecture}, {spec.quant_algo}, {spec.backend}{ranks}, engine "
         f"{(spec.manifest_sha256 or '?')[:12]}) on http://{options.host}:{options.port} "
         f"({'API keys required' if state.keyring else 'no API keys: loopback only'})"
     )
-    try:
-        server.run()
-    except SystemExit as e:  # uvicorn exits (code 3) when it cannot bind
-        raise UserError(f"could not listen on {options.host}:{options.port} (in use?); choose another --port") from e
-    finally:
-        state.llm.close()
+    run(DrainingServer(config, state))
