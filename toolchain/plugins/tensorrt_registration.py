@@ -346,7 +346,7 @@ def _attention_sinks_impl(
 # --- the MoE op's plugins (engine/moe_split.py): MoESort, and the experts kernel's fc and proj stages -----------------
 #
 # One plugin per fixed input list: MoESort (experts); MoEFc / MoEProj with "Bias" and / or "Prequant" appended when
-# the layer has biases / AWQ-SmoothQuant 1/s vectors (moe_split.stage_op). Nine plugins with the same fifteen
+# the layer has biases / AWQ-SmoothQuant 1/s vectors (moe_split.stage_op). Nine plugins with the same
 # attributes (every MoE field, in MoEAttrs' order), so their functions are made here with explicit signatures
 # (`__signature__`, which inspect.signature — and so tensorrt.plugin's validation — reads) instead of written out
 # nine times.
