@@ -97,6 +97,8 @@ def _moe_op(directory: Path) -> str:
     from toolchain.engine.ops import MOE_OP
 
     path = directory / MODEL_NAME
+    if not path.is_file():  # a multi-rank engine: rank 0's graph has the same kinds of layers as every rank's
+        path = directory / "rank0" / MODEL_NAME
     if not path.is_file():
         return ""
     graph = onnx.load(str(path), load_external_data=False).graph
@@ -125,8 +127,57 @@ def _engine(directory: Path) -> dict[str, Any]:
             "onnxruntime": spec.onnxruntime,
             # until the CUDA plugins and the TensorRT runtime have run on a GPU (docs/kernels.md, docs/engine.md)
             "plugins": (_TENSORRT_PLUGINS if spec.backend == "tensorrt" else _CPU_PLUGINS) + _moe_op(directory),
+            **_ranks(directory, spec),
         },
     }
+
+
+def _ranks(directory: Path, spec: EngineSpec) -> dict[str, Any]:
+    """A multi-rank engine's mapping and, per rank, its part (from build_config.json) and its files with the
+    hashes its manifest records (nothing for a single-rank engine)."""
+    if spec.world_size == 1:
+        return {}
+    manifest = read_manifest(directory) if (directory / MANIFEST_NAME).is_file() else {}
+    heads = (manifest.get("details") or {}).get("rank_heads") or [None] * spec.world_size
+    outputs = manifest.get("outputs", [])
+    m = spec.mapping
+    return {
+        "mapping": {"world_size": m.world_size, "tp_size": m.tp_size, "pp_size": m.pp_size},
+        "ranks": [
+            {
+                "rank": part.rank,
+                "tp_rank": part.tp_rank,
+                "pp_rank": part.pp_rank,
+                "layers": list(part.layers),
+                "heads": heads[part.rank] if part.rank < len(heads) else None,
+                "kv_heads": part.kv_cache.num_kv_heads,
+                "files": {
+                    e["path"]: {"size": e["size"], "sha256": e["sha256"]}
+                    for e in outputs
+                    if e["path"].startswith(f"rank{part.rank}/")
+                },
+            }
+            for part in spec.ranks
+        ],
+    }
+
+
+def rank_lines(e: dict[str, Any], indent: str = "") -> list[str]:
+    """`inspect`'s lines for a multi-rank engine: the mapping, then one line per rank."""
+    m = e["mapping"]
+    lines = [
+        f"{indent}  mapping       tp {m['tp_size']} x pp {m['pp_size']} = {m['world_size']} ranks "
+        "(rank = pp_rank * tp_size + tp_rank)"
+    ]
+    for r in e["ranks"]:
+        start, stop = r["layers"]
+        files = ", ".join(f"{p} ({f['size']:,} B, sha256 {f['sha256'][:12]})" for p, f in r["files"].items())
+        lines.append(
+            f"{indent}  rank {r['rank']:<8} tp {r['tp_rank']}, pp {r['pp_rank']}: layers {start}-{stop - 1} "
+            f"({stop - start}), heads "
+            f"{r['heads'] if r['heads'] is not None else '?'}, KV heads {r['kv_heads']}; {files or 'no files'}"
+        )
+    return lines
 
 
 def _eval(manifest: dict[str, Any]) -> dict[str, Any] | None:
@@ -239,6 +290,8 @@ def describe_lines(info: dict[str, Any], indent: str = "", eval_shown: bool = Fa
             f"driver {e['driver'] or '-'}, CUDA {e['cuda'] or '-'}, onnxruntime {e['onnxruntime'] or '-'}",
             f"{indent}  plugins       {e['plugins']}",
         ]
+        if "mapping" in e:
+            lines += rank_lines(e, indent)
     if "manifest" in info:
         m = info["manifest"]
         lines.append(

@@ -5,6 +5,14 @@ ENGINE_DIR/
   engine.plan, layers.json         the TensorRT plan and its inspector's layer JSON (TensorRT backend only)
   build_config.json                contract version, backend, limits, KV pool geometry, compatibility record
   tokenizer files, manifest.json     from the checkpoint, or from --tokenizer DIR (a ModelOpt export has none)
+
+A checkpoint split over ranks (convert --tp / --pp, issue 27) gives one graph per rank, each exported from its own
+rank file alone (one rank in memory at a time), with build_config.json, the tokenizer and manifest.json at the top:
+
+ENGINE_DIR/
+  rank{r}/model.onnx                 rank r's graph (export.py: its heads, its stage's layers, collective nodes)
+  build_config.json                  adds `mapping` and `ranks` (each rank's layers and KV pool)
+  tokenizer files, manifest.json     the manifest hashes every rank's files and records the mapping
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import onnx
 
@@ -20,15 +29,21 @@ from toolchain.atomic import atomic_dir
 from toolchain.checkpoint.hf import TOKENIZER_CORE, TOKENIZER_FILES, has_tokenizer
 from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_config
-from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, KVCacheSpec, Limits
-from toolchain.engine.backends import CHOICES, choose
-from toolchain.engine.export import export_model, save_model
+from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, KVCacheSpec, Limits, RankSpec, rank_dir
+from toolchain.engine.backends import AUTO, BACKENDS, CHOICES, Backend, choose
+from toolchain.engine.export import check_quantization, export_model, save_model
 from toolchain.engine.geometry import TOKENS_PER_BLOCK, blocks_for
 from toolchain.engine.results import BuildResult
 from toolchain.errors import UserError
 from toolchain.files import TOKENIZER_LIMIT, check_present
 from toolchain.manifest import StageRecord
+from toolchain.parallel.mapping import RankMapping
 from toolchain.quantize.methods.registry import kv_by_algo
+
+# TensorRT has no collectives of ours yet (the trtbuild::AllReduce / AllGather / Send / Recv plugins), issue 27 D2
+RANKS_ON_TENSORRT = (
+    "TensorRT cannot run the collective nodes of a multi-rank graph yet (no trtbuild collective plugins)"
+)
 
 
 @dataclass(frozen=True)
@@ -91,11 +106,9 @@ def build_engine(
     tokenizer: Path | None = None,
 ) -> BuildResult:
     cfg = read_config(checkpoint)
-    if cfg.mapping.world_size != 1:
-        raise UserError(
-            f"{checkpoint} is split over {cfg.mapping.world_size} ranks (tp={cfg.mapping.tp_size}, "
-            f"pp={cfg.mapping.pp_size}); engines are single-rank for now: convert again with --tp 1 --pp 1"
-        )
+    world = cfg.mapping.world_size
+    if world > 1:
+        check_quantization(cfg, world, str(checkpoint / CONFIG_NAME))
     max_seq_len = opts.max_seq_len or cfg.max_position_embeddings
     if max_seq_len > cfg.max_position_embeddings:
         raise UserError(
@@ -104,7 +117,7 @@ def build_engine(
     record = record or StageRecord("build")
     tokenizer_paths = tokenizer_files(checkpoint, tokenizer, record)
     experts = sum(isinstance(ls.ffn, ExpertsFFN) for ls in spec_of(cfg, str(checkpoint / CONFIG_NAME)).layers)
-    backend = choose(opts.backend, record, experts)
+    backend = choose_for_ranks(opts.backend, record, world) if world > 1 else choose(opts.backend, record, experts)
     backend.check_tokens_per_block(opts.tokens_per_block)
     dtype = backend.engine_dtype(cfg.torch_dtype)
     limits = Limits(
@@ -115,6 +128,8 @@ def build_engine(
         # the pool: max_batch_size sequences of max_seq_len
         num_blocks=opts.max_batch_size * blocks_for(max_seq_len, opts.tokens_per_block),
     )
+    if world > 1:
+        return _build_ranks(checkpoint, out_dir, opts, force, record, tokenizer, tokenizer_paths, backend, limits)
     console.info(
         f"exporting {cfg.architecture} ({cfg.num_hidden_layers} layers) to ONNX in {dtype}".replace("torch.", "")
     )
@@ -159,5 +174,93 @@ def build_engine(
         )
         config = spec.write(tmp)
         record.details.update(build_config=config)
+        manifest = record.write(tmp)
+    return BuildResult.of(out_dir, config, manifest)
+
+
+def choose_for_ranks(requested: str, record: StageRecord, world: int) -> Backend:
+    """The backend of a multi-rank build: ONNX Runtime (auto picks it, saying why; TensorRT is refused)."""
+    cpu = BACKENDS["onnxruntime"]
+    if requested == cpu.name:
+        return cpu
+    if requested != AUTO:
+        raise UserError(
+            f"--backend {requested}: a {world}-rank checkpoint, and {RANKS_ON_TENSORRT}; "
+            "use --backend onnxruntime (or auto)"
+        )
+    note = f"a {world}-rank checkpoint: building the CPU engine (ONNX Runtime), as {RANKS_ON_TENSORRT}"
+    console.warn(note)
+    record.warnings.append(note)
+    return cpu
+
+
+def _build_ranks(
+    checkpoint: Path,
+    out_dir: Path,
+    opts: BuildOptions,
+    force: bool,
+    record: StageRecord,
+    tokenizer: Path | None,
+    tokenizer_paths: list[Path],
+    backend: Backend,
+    limits: Limits,
+) -> BuildResult:
+    """A multi-rank checkpoint's engine: per rank, its file loaded, exported, saved to rank{r}/, checked and
+    planned (the backend's plan step, in that rank's directory) before the next rank is loaded."""
+    cfg = read_config(checkpoint)
+    mapping = cfg.mapping
+    dtype = backend.engine_dtype(cfg.torch_dtype)
+    kv_dtype = str(dtype).removeprefix("torch.")  # multi-rank checkpoints are unquantized (check_quantization)
+    console.info(
+        f"exporting {cfg.architecture} ({cfg.num_hidden_layers} layers) to ONNX in {kv_dtype} over "
+        f"{mapping.world_size} ranks (tp={mapping.tp_size}, pp={mapping.pp_size})"
+    )
+    ranks: list[RankSpec] = []
+    heads: list[int] = []  # each rank's query heads (`trtbuild inspect`; the pool needs only the KV heads)
+    plans: list[Any] = []
+    with atomic_dir(out_dir, force, inputs=(checkpoint,)) as tmp:
+        record.add_inputs(
+            checkpoint, [checkpoint / CONFIG_NAME, *(checkpoint / rank_file(r) for r in range(mapping.world_size))]
+        )
+        if tokenizer is not None and tokenizer_paths:
+            record.add_inputs(tokenizer, tokenizer_paths)
+        for where in RankMapping(mapping, 0).ranks():
+            r = where.rank
+            weights = load_rank(checkpoint, r)
+            model = export_model(cfg, weights, dtype, opts.tokens_per_block, str(checkpoint / rank_file(r)), where)
+            del weights
+            directory = rank_dir(tmp, r)
+            directory.mkdir()
+            save_model(model, directory / MODEL_NAME)
+            del model
+            onnx.checker.check_model(str(directory / MODEL_NAME), full_check=True)
+            layers = where.layers(cfg.num_hidden_layers)
+            kv = KVCacheSpec(kv_dtype, len(layers), where.local_heads(cfg)[1], opts.tokens_per_block, cfg.head_size)
+            if backend.plan:
+                plans.append(backend.plan(directory / MODEL_NAME, directory, limits, len(layers), kv.block_shape))
+            ranks.append(RankSpec(r, where.tp_rank, where.pp_rank, (layers.start, layers.stop), kv))
+            heads.append(where.local_heads(cfg)[0])
+        for path in tokenizer_paths:
+            shutil.copyfile(path, tmp / path.name)
+        spec = EngineSpec(
+            engine_dir=tmp,
+            backend=backend.name,
+            dtype=kv_dtype,
+            checkpoint_dtype=cfg.dtype,
+            architecture=cfg.architecture,
+            vocab_size=cfg.vocab_size,
+            limits=limits,
+            kv_cache=KVCacheSpec(
+                kv_dtype, cfg.num_hidden_layers, cfg.num_key_value_heads, opts.tokens_per_block, cfg.head_size
+            ),
+            quantization=asdict(cfg.quantization),
+            compatibility=backend.compatibility(),
+            onnxruntime=backend.runtime_version(),
+            build={"ranks": plans} if plans else None,
+            mapping=mapping,
+            ranks=tuple(ranks),
+        )
+        config = spec.write(tmp)
+        record.details.update(build_config=config, mapping=asdict(mapping), rank_heads=heads)
         manifest = record.write(tmp)
     return BuildResult.of(out_dir, config, manifest)

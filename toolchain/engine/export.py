@@ -9,6 +9,15 @@ taking the layer's router and stacked experts as initializers; the plugin nodes'
 (ops.py).
 TensorRT builds this graph strongly typed; the CPU engine runs it with ONNX Runtime and our reference ops.
 
+One rank of a multi-rank engine (issue 27, `export_model(..., rank=)`) gets its own graph of its own rank file: its
+local heads, KV heads and MLP slice, its pipeline stage's layers (renumbered from 0, as in its file), and the
+collective nodes of collectives.py where TensorRT-LLM puts them (reference/parallel.py computes the same forward):
+row-parallel linears (attention.dense, mlp.proj) end in `trtbuild::AllReduce` then add their bias once; the
+vocab-parallel embedding (GPT-2's positions too) looks up its own rows, masked, then all-reduces; lm_head's slices
+are all-gathered on the last axis and cut to vocab_size before the cast and softcap, so every rank of the last stage
+has the full logits. A non-first stage starts with `trtbuild::Recv` of the previous stage's hidden states, a non-last
+one ends with `trtbuild::Send` to the next stage, whose output is its graph output `hidden_states` (no logits).
+
 Names and order are fixed by the checkpoint alone, so the same checkpoint gives the same bytes.
 """
 
@@ -22,12 +31,34 @@ import onnx
 import torch
 from onnx import TensorProto, helper
 
-from toolchain.checkpoint.spec import DenseFFN, ExpertsFFN, LayerSpec, Norm, experts_unsupported, spec_of
+from toolchain.checkpoint.sharding import FIRST_STAGE, LAST_STAGE, padded_vocab
+from toolchain.checkpoint.spec import (
+    DenseFFN,
+    ExpertsFFN,
+    LayerSpec,
+    ModelSpec,
+    Norm,
+    experts_unsupported,
+    spec_of,
+)
 from toolchain.checkpoint.trtllm import ModelConfig, check_family_fields, kv_cache_scale
+from toolchain.engine.collectives import (
+    ALL_GATHER_OP,
+    ALL_REDUCE_OP,
+    RECV_OP,
+    SEND_OP,
+    TYPE_IDS,
+    AllGatherAttrs,
+    AllReduceAttrs,
+    CollectiveAttrs,
+    RecvAttrs,
+    SendAttrs,
+)
 from toolchain.engine.contract import ATTENTION_OP, INPUTS, OUTPUTS, PLUGIN_DOMAIN, WRITE_OP
 from toolchain.engine.geometry import kv_block_shape
 from toolchain.engine.ops import MOE_OP, AttentionAttrs, MoEAttrs
 from toolchain.errors import UserError
+from toolchain.parallel.mapping import RankMapping
 from toolchain.quantize import experts
 from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, Context, quantized
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
@@ -36,6 +67,7 @@ from toolchain.reference.rope import attention_factor
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
+HIDDEN_STATES = "hidden_states"  # a non-last pipeline stage's graph output: what it sent to the next stage
 
 ONNX_TYPES: dict[torch.dtype, int] = {
     torch.float32: TensorProto.FLOAT,
@@ -126,9 +158,13 @@ class _Exporter:
         dtype: torch.dtype,
         tokens_per_block: int,
         source: str = "rank0.safetensors",
+        rank: RankMapping | None = None,
     ):
         self.cfg, self.w, self.b = cfg, _Consumed(weights), _Builder(dtype)
-        self.spec = spec_of(cfg)
+        self.rank = rank if rank is not None and rank.world_size > 1 else None  # None: the single-rank graph
+        self.spec = spec_of(cfg) if self.rank is None else rank_spec(cfg, self.rank)
+        self.tp = 1 if self.rank is None else self.rank.tp_size
+        self.collectives = 0  # AllReduce's `counter`: the graph's all-reduces numbered from 0
         self.source = source
         self.tokens_per_block = tokens_per_block
         q = cfg.quantization
@@ -187,6 +223,36 @@ class _Exporter:
         if bias:
             inputs.append(b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"]))
         return b.op("Gemm", inputs, f"{prefix}.out", transB=1)
+
+    def row_linear(self, x: str, prefix: str, bias: bool = False) -> str:
+        """A row-parallel linear (attention.dense, mlp.proj): with tp > 1 each rank's partial product is summed
+        over the tp group and the (replicated) bias added once after the sum, as TensorRT-LLM's RowLinear."""
+        if self.tp == 1:
+            return self.linear(x, prefix, bias)
+        y = self.all_reduce(self.linear(x, prefix), f"{prefix}.reduced")
+        if not bias:
+            return y
+        return self.b.op("Add", [y, self.b.float_const(f"{prefix}.bias", self.w[f"{prefix}.bias"])], f"{prefix}.biased")
+
+    def collective(self, op: str, attrs: CollectiveAttrs, x: str, out: str, shape: list[int | str]) -> str:
+        """One collective plugin node (collectives.py), its output declared: nothing infers a plugin's shape."""
+        b = self.b
+        b.nodes.append(
+            helper.make_node(op, [x], [out], name=f"{out}/{op}", domain=PLUGIN_DOMAIN, **attrs.to_attributes(op))
+        )
+        b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, shape))
+        return out
+
+    @property
+    def type_id(self) -> int:
+        return TYPE_IDS[_DTYPE_NAMES[self.b.dtype]]
+
+    def all_reduce(self, x: str, out: str) -> str:
+        """The sum of `x` [num_tokens, hidden] over this rank's tp group (the experts' output too, under tp)."""
+        assert self.rank is not None
+        attrs = AllReduceAttrs(type_id=self.type_id, group=self.rank.tp_group, counter=self.collectives)
+        self.collectives += 1
+        return self.collective(ALL_REDUCE_OP, attrs, x, out, ["num_tokens", self.spec.hidden_size])
 
     def activation(self, x: str, act: str, name: str) -> str:
         b = self.b
@@ -283,7 +349,7 @@ class _Exporter:
         )
         for name in (f"{layer}.attention.q", f"{layer}.attention.out"):
             b.value_info.append(helper.make_tensor_value_info(name, b.onnx_dtype, ["num_tokens", q_dim]))
-        a = self.linear(f"{layer}.attention.out", f"{layer}.attention.dense", ls.dense_bias)
+        a = self.row_linear(f"{layer}.attention.out", f"{layer}.attention.dense", ls.dense_bias)
         if ls.attn_out_norm is not None:
             a = self.norm(a, ls.attn_out_norm, f"{ls.attn_out_norm.name}.out")
         h = b.op("Add", [h, a], f"{layer}.attn_residual")
@@ -313,7 +379,7 @@ class _Exporter:
             m = self.activation(fc, ffn.activation, f"{layer}.mlp.act")
             if ffn.gated:  # TensorRT-LLM GatedMLP: proj(act(fc(x)) * gate(x))
                 m = b.op("Mul", [m, self.linear(x, f"{layer}.mlp.gate", ffn.bias)], f"{layer}.mlp.gated")
-        return self.linear(m, f"{layer}.mlp.proj", ffn.bias)
+        return self.row_linear(m, f"{layer}.mlp.proj", ffn.bias)
 
     def experts_ffn(self, x: str, ls: LayerSpec, ffn: ExpertsFFN) -> str:
         """One `trtbuild::MoE` node: the normed hidden states, the router (float32 whatever the engine dtype, as
@@ -409,8 +475,11 @@ class _Exporter:
             return dq, scale, prequant
         return b.op("Cast", [dq], f"{prefix}.weight_cast", to=b.onnx_dtype), scale, prequant
 
-    def graph(self) -> onnx.ModelProto:
-        c, spec, b = self.cfg, self.spec, self.b
+    def embedding(self) -> str:
+        """The embedded tokens [num_tokens, hidden]: the first stage's lookup (vocab-parallel under tp)."""
+        spec, b = self.spec, self.b
+        if self.tp > 1:
+            return self.parallel_embedding()
         embed = b.float_const("transformer.vocab_embedding.weight", self.w["transformer.vocab_embedding.weight"])
         h = b.op("Gather", [embed, "input_ids"], "embedding", axis=0)
         if spec.learned_positions:
@@ -418,13 +487,85 @@ class _Exporter:
                 "transformer.position_embedding.weight", self.w["transformer.position_embedding.weight"]
             )
             h = b.op("Add", [h, b.op("Gather", [pos, "position_ids"], "position_embedding", axis=0)], "embedded")
-        if spec.embedding_scale is not None:
+        return h
+
+    def parallel_embedding(self) -> str:
+        """Each rank looks up the ids in its own row range (zero elsewhere), the ranks' rows are summed: token
+        and learned position lookups added locally first, so one all-reduce sums both (the sum is linear)."""
+        b, cfg = self.b, self.cfg
+        h = self.local_lookup("transformer.vocab_embedding", "input_ids", cfg.vocab_size)
+        if self.spec.learned_positions:
+            pos = self.local_lookup("transformer.position_embedding", "position_ids", cfg.max_position_embeddings)
+            h = b.op("Add", [h, pos], "embedded_local")
+        return self.all_reduce(h, "embedded_reduced")
+
+    def local_lookup(self, table: str, ids: str, rows: int) -> str:
+        """This rank's part of a vocab-parallel lookup (reference/parallel.py `_lookup`): rows [start, start +
+        per_rank) of the zero-padded table, ids outside them giving zeros."""
+        assert self.rank is not None
+        b = self.b
+        per_rank = padded_vocab(rows, self.tp) // self.tp
+        weight = b.float_const(f"{table}.weight", self.w[f"{table}.weight"])
+        start = b.const(f"{table}.start", torch.tensor(self.rank.tp_rank * per_rank, dtype=torch.int32))
+        size = b.const(f"{table}.rows", torch.tensor(per_rank, dtype=torch.int32))
+        zero = b.const(f"{table}.zero_id", torch.tensor(0, dtype=torch.int32))
+        shifted = b.op("Sub", [ids, start], f"{table}.shifted")
+        inside = b.op(
+            "And",
+            [
+                b.op("GreaterOrEqual", [shifted, zero], f"{table}.above"),
+                b.op("Less", [shifted, size], f"{table}.below"),
+            ],
+            f"{table}.inside",
+        )
+        found = b.op("Gather", [weight, b.op("Where", [inside, shifted, zero], f"{table}.local_ids")], table, axis=0)
+        mask = b.op("Unsqueeze", [inside, self.last_axis], f"{table}.mask")
+        return b.op("Where", [mask, found, b.float_const(f"{table}.zero", torch.zeros(()))], f"{table}.masked")
+
+    def received(self) -> str:
+        """A non-first stage's input: the previous stage's hidden states [num_tokens, hidden]."""
+        assert self.rank is not None
+        b = self.b
+        hidden = b.const("hidden_size", torch.tensor([self.spec.hidden_size], dtype=torch.int64))
+        shape = b.op("Concat", [b.op("Shape", ["input_ids"], "num_tokens"), hidden], "received_shape", axis=0)
+        like = b.op(
+            "ConstantOfShape", [shape], "received_like", value=tensor_proto("zero", torch.zeros(1, dtype=b.dtype))
+        )
+        attrs = RecvAttrs(type_id=self.type_id, src_rank=self.rank.prev_pp_rank)
+        return self.collective(RECV_OP, attrs, like, "received", ["num_tokens", self.spec.hidden_size])
+
+    def logits_of(self, picked: str) -> str:
+        """lm_head on the picked rows; under tp the ranks' vocab slices gathered on the last axis and the padding
+        rows cut, so every rank has the full [num_outputs, vocab_size]."""
+        assert self.rank is not None or self.tp == 1
+        b = self.b
+        logits = self.linear(self.norm(picked, self.spec.final_norm, "transformer.ln_f.out"), "lm_head")
+        if self.tp == 1:
+            return logits
+        assert self.rank is not None
+        padded = padded_vocab(self.cfg.vocab_size, self.tp)
+        attrs = AllGatherAttrs(type_id=self.type_id, group=self.rank.tp_group, axis=-1)
+        logits = self.collective(ALL_GATHER_OP, attrs, logits, "lm_head.gathered", ["num_outputs", padded])
+        if padded == self.cfg.vocab_size:
+            return logits
+        ends = b.const("vocab_end", torch.tensor([self.cfg.vocab_size], dtype=torch.int64))
+        starts = b.const("vocab_start", torch.tensor([0], dtype=torch.int64))
+        return b.op("Slice", [logits, starts, ends, self.last_axis], "lm_head.vocab")
+
+    def graph(self) -> onnx.ModelProto:
+        spec, b = self.spec, self.b
+        first = self.rank is None or self.rank.is_first_stage
+        last = self.rank is None or self.rank.is_last_stage
+        h = self.embedding() if first else self.received()
+        if first and spec.embedding_scale is not None:
             scale = b.float_const("embedding_scale", torch.tensor(spec.embedding_scale))
             h = b.op("Mul", [h, scale], "embedding_scaled")
         for ls in spec.layers:
             h = self.layer(h, ls)
+        if not last:
+            return self.stage_graph(h)
         picked = b.op("Gather", [h, "logits_index"], "logits_rows", axis=0)
-        logits = self.linear(self.norm(picked, spec.final_norm, "transformer.ln_f.out"), "lm_head")
+        logits = self.logits_of(picked)
         if b.onnx_dtype != TensorProto.FLOAT:
             logits = b.op("Cast", [logits], "logits_float", to=TensorProto.FLOAT)
         if spec.final_logit_softcap is not None:  # cap * tanh(logits / cap), in float32
@@ -432,9 +573,26 @@ class _Exporter:
             capped = b.op("Tanh", [b.op("Div", [logits, cap], "logits_over_cap")], "logits_tanh")
             logits = b.op("Mul", [capped, cap], "logits_capped")
         b.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="logits/Identity"))
-        self.w.check_all_read(c, self.source)
+        return self.model([self._io(name, spec) for name, spec in OUTPUTS.items()])
+
+    def stage_graph(self, h: str) -> onnx.ModelProto:
+        """A non-last pipeline stage: its hidden states sent to the next stage and output as `hidden_states`."""
+        assert self.rank is not None
+        b = self.b
+        attrs = SendAttrs(type_id=self.type_id, tgt_rank=self.rank.next_pp_rank)
+        b.nodes.append(
+            helper.make_node(
+                SEND_OP, [h], [HIDDEN_STATES], name=f"{HIDDEN_STATES}/{SEND_OP}", domain=PLUGIN_DOMAIN,
+                **attrs.to_attributes(SEND_OP),
+            )
+        )  # fmt: skip
+        shape: list[int | str] = ["num_tokens", self.spec.hidden_size]
+        return self.model([helper.make_tensor_value_info(HIDDEN_STATES, b.onnx_dtype, shape)])
+
+    def model(self, outputs: list[onnx.ValueInfoProto]) -> onnx.ModelProto:
+        b = self.b
+        self.w.check_all_read(self.cfg, self.source)
         inputs = [self._io(name, spec) for name, spec in INPUTS.items()]
-        outputs = [self._io(name, spec) for name, spec in OUTPUTS.items()]
         graph = helper.make_graph(b.nodes, "trtbuild_engine", inputs, outputs, b.initializers, value_info=b.value_info)
         model = helper.make_model(
             graph,
@@ -451,12 +609,8 @@ class _Exporter:
         return helper.make_tensor_value_info(name, self._kv_elem(), list(self._kv_shape()))
 
     def _kv_shape(self) -> tuple[int | str, ...]:
-        c = self.cfg
-        return (
-            c.num_hidden_layers,
-            "num_blocks",
-            *kv_block_shape(c.num_key_value_heads, self.tokens_per_block, c.head_size),
-        )
+        c = self.spec  # a rank's own: its stage's layers, its local KV heads
+        return (len(c.layers), "num_blocks", *kv_block_shape(c.num_kv_heads, self.tokens_per_block, c.head_size))
 
     def _io(self, name: str, spec: tuple[str, tuple[str, ...]]) -> onnx.ValueInfoProto:
         elem, dims = spec
@@ -476,13 +630,74 @@ def export_model(
     dtype: torch.dtype,
     tokens_per_block: int,
     source: str = "rank0.safetensors",
+    rank: RankMapping | None = None,
 ) -> onnx.ModelProto:
-    """The engine graph; every tensor of `weights` must be used (`source` names the file in errors)."""
+    """The engine graph; every tensor of `weights` must be used (`source` names the file in errors). `rank`: the
+    graph of that rank of a multi-rank checkpoint, `weights` being its own rank file (None: a single-rank one)."""
     if dtype not in _DTYPE_NAMES:
         raise UserError(f"engine dtype {dtype} not supported; choose float32, float16 or bfloat16")
     check_family_fields(cfg)
-    spec_of(cfg).check_tensors(weights, source)  # a tensor the model needs and the checkpoint lacks: one line
-    return _Exporter(cfg, weights, dtype, tokens_per_block, source).graph()
+    if rank is None or rank.world_size == 1:
+        spec_of(cfg).check_tensors(weights, source)  # a tensor the model needs and the checkpoint lacks: one line
+    else:
+        check_quantization(cfg, rank.world_size, source)
+        check_rank_tensors(rank_spec(cfg, rank), rank, weights, source)
+    return _Exporter(cfg, weights, dtype, tokens_per_block, source, rank).graph()
+
+
+def check_quantization(cfg: ModelConfig, world_size: int, source: str) -> None:
+    """Multi-rank engines are built from unquantized checkpoints only (issue 27, decision D1)."""
+    q = cfg.quantization
+    if q.quant_algo or q.kv_cache_quant_algo:
+        raise UserError(
+            f"{source}: a quantized checkpoint (quant_algo {q.quant_algo}, kv_cache_quant_algo "
+            f"{q.kv_cache_quant_algo}) split over {world_size} ranks; multi-rank engines are built from unquantized "
+            "checkpoints only: convert with --tp 1 --pp 1 to quantize, or build the unquantized split checkpoint"
+        )
+
+
+def _localized(ls: LayerSpec, index: int) -> LayerSpec:
+    """Layer `ls` renumbered as a pipeline stage's file names it (its norms' tensor stems included)."""
+    old, new = f"{ls.prefix}.", f"transformer.layers.{index}."
+    norms = {
+        name: dataclasses.replace(n, name=new + n.name.removeprefix(old))
+        for name in ("attn_norm", "mlp_norm", "attn_out_norm", "mlp_out_norm", "q_norm", "k_norm")
+        if (n := getattr(ls, name)) is not None
+    }
+    return dataclasses.replace(ls, index=index, **norms)
+
+
+def rank_spec(cfg: ModelConfig, rank: RankMapping) -> ModelSpec:
+    """The model as rank `rank` holds it: its local heads, KV heads and MLP width, its stage's layers numbered from
+    0 (their kinds, windows and rotary those of the global layers they are)."""
+    heads, kv_heads = rank.local_heads(cfg)
+    local = dataclasses.replace(
+        cfg,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        intermediate_size=cfg.intermediate_size // rank.tp_size,
+    )
+    spec = spec_of(local)
+    stage = rank.layers(cfg.num_hidden_layers)
+    return dataclasses.replace(spec, layers=tuple(_localized(spec.layers[g], g - stage.start) for g in stage))
+
+
+def check_rank_tensors(spec: ModelSpec, rank: RankMapping, weights: dict[str, torch.Tensor], source: str) -> None:
+    """A rank file must hold its stage's tensors: the layers, the embeddings on the first stage, ln_f and lm_head on
+    the last (rank_spec's names)."""
+    names = [
+        n
+        for n in spec.tensor_names()
+        if (rank.is_first_stage or not n.startswith(FIRST_STAGE))
+        and (rank.is_last_stage or not n.startswith(LAST_STAGE))
+    ]
+    missing = [n for n in names if n not in weights]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UserError(
+            f"{source}: {missing[0]}{more} missing, which rank {rank.rank} (tp rank {rank.tp_rank}, pp rank "
+            f"{rank.pp_rank}) of config.json's {spec.architecture} needs; re-run convert"
+        )
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> list[Path]:

@@ -190,13 +190,17 @@ class OrtEngine:
                         op, parsed, list(plugin.input), list(plugin.output), weights, plugin.name or plugin.output[0]
                     )
                 )
+        # logits; a non-last pipeline stage's is the hidden states it sent on to the next stage (export.py)
+        self.output = model.graph.output[0].name
         self._check_graph(model, model_path)
 
     def _check_graph(self, model: onnx.ModelProto, model_path: Path) -> None:
         """The graph and the spec must describe the same engine (a mismatch means a tampered or mixed-up dir)."""
         kv = self.spec.kv_cache
         pool = next(i for i in model.graph.input if i.name == "kv_cache").type.tensor_type.shape.dim
-        vocab = model.graph.output[0].type.tensor_type.shape.dim[1].dim_value
+        # a non-last pipeline stage outputs its hidden states, no logits (export.py): only the vocab is not checked
+        out = next((o for o in model.graph.output if o.name == "logits"), None)
+        vocab = self.vocab_size if out is None else out.type.tensor_type.shape.dim[1].dim_value
         attrs = next(s.attrs for s in self.steps if isinstance(s, _Plugin) and isinstance(s.attrs, AttentionAttrs))
         graph = (pool[0].dim_value, vocab, attrs.tokens_per_block, attrs.kv_cache_dtype, attrs.num_kv_heads)
         spec = (kv.num_layers, self.vocab_size, kv.tokens_per_block, kv.dtype, kv.num_kv_heads)
@@ -245,4 +249,4 @@ class OrtEngine:
                 out = OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache), memo=memo)
             outs = out if isinstance(out, tuple) else (out,)  # a plugin may have several outputs (MoESort's two)
             values.update((name, o.numpy()) for name, o in zip(step.outputs, outs, strict=True))
-        return values["logits"]
+        return values[self.output]
