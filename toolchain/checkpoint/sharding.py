@@ -6,7 +6,8 @@ _utils.py::pad_vocab_size):
 - Pipeline stages take `torch.tensor_split(range(L), pp)` layers (the first L % pp stages get one more);
   layer indices are renumbered from 0 in every rank file; the embeddings live on the first stage, ln_f and
   lm_head on the last.
-- Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too; row-parallel weights
+- Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too, and so do attention sinks
+  (gpt-oss: one logit per query head, so each rank holds its heads'); row-parallel weights
   (attention.dense, mlp.proj) split on dim 1 and keep their bias whole; norms are replicated.
 - A fused gate/up `mlp.fc` (Phi-3: [up; gate] stacked) splits each half on its own and stacks the rank's halves
   again ("gate_up"), so every rank holds [up_r; gate_r] (its swiglu splits its input in two halves).
@@ -57,6 +58,7 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
     (re.compile(r".*\.attention\.qkv\.(weight|bias)"), "qkv"),
     (re.compile(r".*\.(attention\.dense|mlp\.proj)\.weight"), "row"),
     (re.compile(r".*\.mlp\.(fc|gate)\.(weight|bias)"), "column"),
+    (re.compile(r".*\.attention\.sinks"), "column"),  # one logit per query head (gpt-oss): a rank's own heads
 )
 
 
