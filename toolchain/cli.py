@@ -159,6 +159,15 @@ def convert(
     ] = False,
     tp: Annotated[int, typer.Option("--tp", min=1, help="Tensor-parallel size (heads split over N GPUs).")] = 1,
     pp: Annotated[int, typer.Option("--pp", min=1, help="Pipeline-parallel size (layers split in M stages).")] = 1,
+    moe_ep: Annotated[
+        int,
+        typer.Option(
+            "--moe-ep",
+            min=1,
+            help="Expert-parallel size: a MoE layer's experts split in N groups of each tp group "
+            "(divides --tp; the rest, tp / N, splits each expert's width).",
+        ),
+    ] = 1,
     workers: Annotated[
         int,
         typer.Option(
@@ -175,7 +184,15 @@ def convert(
 
     with _handled():
         r = run_convert(
-            model_dir, output, dtype=dtype.value, force=force, allow_pickle=allow_pickle, tp=tp, pp=pp, workers=workers
+            model_dir,
+            output,
+            dtype=dtype.value,
+            force=force,
+            allow_pickle=allow_pickle,
+            tp=tp,
+            pp=pp,
+            workers=workers,
+            moe_ep=moe_ep,
         )
     _emit(r.to_json(), json_out, r.lines())
 

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from toolchain import seeded
 from toolchain.checkpoint.convert import OutputTensor, _stacked, convert
 from toolchain.checkpoint.hf import HFCheckpoint
-from toolchain.checkpoint.sharding import Rule, shard
+from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
@@ -226,16 +226,14 @@ def test_a_checkpoint_config_with_a_moe_value_we_do_not_implement_is_refused(
             read_config(ckpt)
 
 
-def test_what_does_not_run_experts_yet_says_so(converted: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
-    """Tensor parallelism of experts is a later slice: refused in one line naming what runs. (Every quantization
-    method quantizes experts now; a method that does not is refused by experts.check_method: test_moe_quant.py.)"""
-    hf, ckpt = converted["mixtral"]
-    what_runs = r"convert \(tp=1\), the reference forward and the CPU engine run routed experts \(gpt-oss's included\)"
-    with pytest.raises(UserError, match=r"--tp 2, layer 0: mixture-of-experts layers \(8 experts, top 2\) are not "
-                       r"supported here yet: " + what_runs):  # fmt: skip
-        convert(hf, tmp_path / "tp2", tp=2)
-    with pytest.raises(UserError, match=r"tensor parallelism \(tp=2\) of mixture-of-experts tensors"):
-        shard(torch.zeros(8, 4, 4), "experts", read_config(ckpt), 2, 0)
+def test_experts_split_over_ranks_only_where_they_divide(
+    converted: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """Tensor and expert parallelism of experts (issue 27): a split that does not divide the experts is refused in
+    one line naming the valid sizes (tests/parallel/test_sharding_moe.py checks the splits themselves)."""
+    hf, _ = converted["mixtral"]
+    with pytest.raises(UserError, match=r"expert-parallel size 4 \(--moe-ep\) at tp 2 .* valid --moe-ep at tp 2: 1, 2"):
+        convert(hf, tmp_path / "tp2", tp=2, moe_ep=4)
     assert not (tmp_path / "tp2").exists()
 
 

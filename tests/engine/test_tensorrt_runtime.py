@@ -21,6 +21,7 @@ import torch
 import toolchain.plugins
 from toolchain.engine import moe_split, tensorrt_backend
 from toolchain.engine.api import EngineSpec, open_engine
+from toolchain.engine.collectives import COLLECTIVE_OPS
 from toolchain.engine.contract import CONTRACT_VERSION, INPUTS, OUTPUTS, Batch
 from toolchain.engine.tensorrt_runtime import TrtEngine
 from toolchain.errors import UserError
@@ -30,9 +31,11 @@ from toolchain.manifest import StageRecord
 H200 = {"tensorrt": "10.13.0", "sm": "90", "gpu": "NVIDIA H200", "driver": "570", "cuda": "12.8"}
 VOCAB, TPB, BLOCKS = 11, 4, 8
 # every plugin the registration registers; attention with sinks (a seventh input) is a plugin of its own
-PLUGINS = {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention", "trtbuild::PagedAttentionSinks"} | {
-    f"trtbuild::{op}" for op in moe_split.SPLIT_OPS
-}  # the MoE op's split plugins: MoESort and the fc / proj stages in four input lists each
+PLUGINS = (
+    {"trtbuild::KVCacheWrite", "trtbuild::PagedAttention", "trtbuild::PagedAttentionSinks"}
+    | {f"trtbuild::{op}" for op in moe_split.SPLIT_OPS}  # MoE's: MoESort and the fc / proj stages, four each
+    | {f"trtbuild::{op}" for op in COLLECTIVE_OPS}  # multi-rank engines' collectives (issue 27)
+)
 
 
 def write_engine_dir(path: Path) -> Path:
@@ -171,9 +174,9 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
             )
 
     plugin = types.ModuleType("tensorrt.plugin")
-    for name in ("register", "autotune", "aot_impl"):
+    for name in ("register", "autotune", "aot_impl", "impl"):
         setattr(plugin, name, decorator)
-    for name in ("TensorDesc", "KernelLaunchParams", "SymIntExprs", "AutoTuneCombination"):  # its annotations
+    for name in ("TensorDesc", "Tensor", "KernelLaunchParams", "SymIntExprs", "AutoTuneCombination"):  # annotations
         setattr(plugin, name, type(name, (), {}))
     trt = types.ModuleType("tensorrt")
     members = {"Runtime": Runtime, "Logger": Logger, "TensorIOMode": IOMode, "plugin": plugin}

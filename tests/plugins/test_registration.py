@@ -5,6 +5,7 @@ subprocess (TRITON_INTERPRET, which pytest sets, cannot compile)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -18,11 +19,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import trt_contract
 
 from toolchain.engine import moe_split
+from toolchain.engine.collectives import (
+    COLLECTIVE_FIELDS,
+    COLLECTIVE_OPS,
+    AllGatherAttrs,
+    AllReduceAttrs,
+    RecvAttrs,
+    SendAttrs,
+)
 from toolchain.engine.export import KV_ONNX
 from toolchain.engine.ops import OP_FIELDS, AttentionAttrs
 from toolchain.plugins import launch
@@ -100,7 +110,8 @@ def test_functions_follow_the_documented_schemas(registered: Any) -> None:
     the attributes exactly the op's fields (OP_FIELDS), inputs annotated TensorDesc: six, seven with sinks."""
     _, registry, _ = registered
     moe = {f"trtbuild::{p}" for p in moe_split.SPLIT_OPS}  # tests/plugins/test_registration_moe.py
-    assert set(registry["register"]) == {f"trtbuild::{p}" for p in PLUGINS} | moe
+    collective = {f"trtbuild::{op}" for op in COLLECTIVE_OPS}  # test_collectives_* below
+    assert set(registry["register"]) == {f"trtbuild::{p}" for p in PLUGINS} | moe | collective
     for plugin in PLUGINS:
         pid, op = f"trtbuild::{plugin}", plugin.removesuffix("Sinks")
         reg = list(inspect.signature(registry["register"][pid]).parameters.values())
@@ -291,3 +302,148 @@ def test_aot_impl_on_compiled_ptx() -> None:
             "layer": a.layer,
             "kv_scale_bits": bits,
         }, where
+
+
+# --- the collective plugins (issue 27): shape/type functions and a Python (trtp.impl) enqueue through the process's
+# Communicator. Checked against the contract only: nothing here has TensorRT or two GPUs for NCCL (docs/kernels.md).
+
+_COLLECTIVE_CASES: dict[str, tuple[Any, list[Any]]] = {  # op -> (attrs, input dims)
+    "AllReduce": (AllReduceAttrs(type_id=1, group=(2, 3), counter=5), ["x.0", 64]),
+    "AllGather": (AllGatherAttrs(type_id=7, group=(0, 1, 2, 3), axis=-1), ["x.0", 250]),
+    "Send": (SendAttrs(type_id=0, tgt_rank=3), ["x.0", 64]),
+    "Recv": (RecvAttrs(type_id=1, src_rank=1), ["like.0", 64]),
+}
+_TRT_TYPES = {0: "FLOAT", 1: "HALF", 7: "BF16"}
+
+
+def _collective_fields(op: str, a: Any) -> dict[str, Any]:
+    """The node's fields as TensorRT passes them: `group` an int32 array."""
+    return {k: np.array(v, dtype=np.int32) if k == "group" else v for k, v in asdict(a).items()}
+
+
+def _collective_input(registered: Any, op: str) -> Any:
+    trt, _, _ = registered
+    a, dims = _COLLECTIVE_CASES[op]
+    shape = [trt_contract.Sym(d) if isinstance(d, str) else d for d in dims]
+    return trt_contract.TensorDesc(shape, trt.DataType[_TRT_TYPES[a.type_id]])
+
+
+def test_collectives_follow_the_documented_schemas_with_every_field(registered: Any) -> None:
+    """register: (the input, every field of the op, TensorRT-LLM's and ours: collectives.COLLECTIVE_FIELDS), autotune:
+    (input, outputs), impl: (input as a Tensor, every field, outputs, stream); `group` a 1-D int32 array field."""
+    _, registry, reg = registered
+    for op in COLLECTIVE_OPS:
+        pid = f"trtbuild::{op}"
+        params = inspect.signature(registry["register"][pid]).parameters
+        first, *attrs = params
+        assert first == ("like" if op == "Recv" else "x") and set(attrs) == COLLECTIVE_FIELDS[op], op
+        assert "group" not in params or params["group"].annotation == reg.np_typing.NDArray[np.int32]
+        assert list(inspect.signature(registry["impl"][pid]).parameters) == [first, *attrs, "outputs", "stream"]
+        assert list(inspect.signature(registry["autotune"][pid]).parameters) == [first, "outputs"]
+        assert pid not in registry["aot_impl"]  # a Python enqueue, not a kernel
+
+
+def test_collective_output_shapes_and_types(registered: Any) -> None:
+    trt, registry, _ = registered
+    for op, (a, _) in _COLLECTIVE_CASES.items():
+        x = _collective_input(registered, op)
+        out = registry["register"][f"trtbuild::{op}"](x, **_collective_fields(op, a))
+        assert out.dtype == trt.DataType[_TRT_TYPES[a.type_id]], op
+        assert out.shape_expr[0].text == x.shape_expr[0].text, op  # num_tokens, symbolic
+        assert out.shape_expr[1] == (250 * 4 if op == "AllGather" else 64), op  # gathered on the last axis
+    first = AllGatherAttrs(type_id=7, group=(0, 1, 2, 3), axis=0)
+    out = registry["register"]["trtbuild::AllGather"](
+        _collective_input(registered, "AllGather"), **_collective_fields("AllGather", first)
+    )
+    assert out.shape_expr[0].text == "(x.0*4)" and out.shape_expr[1] == 250
+    half = _collective_input(registered, "AllReduce")
+    wrong = dataclasses.replace(_COLLECTIVE_CASES["AllReduce"][0], type_id=0)
+    with pytest.raises(ValueError, match=r"trtbuild::AllReduce: input of type DataType.HALF but type_id 0 \(float32\)"):
+        registry["register"]["trtbuild::AllReduce"](half, **_collective_fields("AllReduce", wrong))
+    tunes = registry["autotune"]["trtbuild::AllReduce"](half, outputs=(half,))
+    assert [t.io_types for t in tunes] == [["FP32", "FP32"], ["FP16", "FP16"], ["BF16", "BF16"]]
+
+
+class _RecordingComm:
+    """A communicator that records each call and answers as if every other rank held the same tensor."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def all_reduce(self, x: torch.Tensor, group: tuple[int, ...], what: str) -> torch.Tensor:
+        self.calls.append(("all_reduce", group, what))
+        return x * len(group)
+
+    def all_gather(self, x: torch.Tensor, group: tuple[int, ...], axis: int, what: str) -> torch.Tensor:
+        self.calls.append(("all_gather", group, axis, what))
+        return torch.cat([x] * len(group), dim=axis)
+
+    def send(self, x: torch.Tensor, dst: int, what: str) -> None:
+        self.calls.append(("send", dst, what))
+
+    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, what: str) -> torch.Tensor:
+        self.calls.append(("recv", shape, dtype, src, what))
+        return torch.full(shape, 7.0, dtype=dtype)
+
+
+def test_collective_impl_runs_the_process_communicator_on_tensorrt_s_stream(
+    registered: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The enqueue hands the input to the communicator set for this process, on TensorRT's stream, and writes its
+    answer into TensorRT's output buffer; with no communicator set it refuses (a rank must set one first). The CUDA
+    wrapping (as_torch, on_stream) is replaced by CPU tensors here: no GPU in this test."""
+    _, registry, reg = registered
+    streams: list[int] = []
+    monkeypatch.setattr(reg, "as_torch", lambda t: t)
+
+    def on_stream(stream: int) -> contextlib.nullcontext[None]:
+        streams.append(stream)
+        return contextlib.nullcontext()
+
+    monkeypatch.setattr(reg, "on_stream", on_stream)
+    a, _ = _COLLECTIVE_CASES["AllReduce"]
+    x, out = torch.arange(6.0).reshape(3, 2), torch.zeros(3, 2)
+    monkeypatch.setattr(reg, "_COMMUNICATOR", [])
+    with pytest.raises(RuntimeError, match=r"trtbuild::AllReduce: no communicator set in this process; .*"
+                       r"set_communicator\(comm\) before its first step"):  # fmt: skip
+        registry["impl"]["trtbuild::AllReduce"](x, **_collective_fields("AllReduce", a), outputs=(out,), stream=11)
+    comm = _RecordingComm()
+    reg.set_communicator(comm)
+    registry["impl"]["trtbuild::AllReduce"](x, **_collective_fields("AllReduce", a), outputs=(out,), stream=11)
+    assert torch.equal(out, 2 * x) and streams == [11]
+    g, _ = _COLLECTIVE_CASES["AllGather"]
+    gathered = torch.zeros(3, 8)
+    registry["impl"]["trtbuild::AllGather"](x, **_collective_fields("AllGather", g), outputs=(gathered,), stream=12)
+    assert torch.equal(gathered, torch.cat([x] * 4, dim=1))
+    sent = torch.zeros(3, 2)
+    registry["impl"]["trtbuild::Send"](x, **_collective_fields("Send", _COLLECTIVE_CASES["Send"][0]), outputs=(sent,),
+                                       stream=13)  # fmt: skip
+    assert torch.equal(sent, x)
+    got = torch.zeros(3, 2, dtype=torch.float16)
+    r, _ = _COLLECTIVE_CASES["Recv"]
+    registry["impl"]["trtbuild::Recv"](got, **_collective_fields("Recv", r), outputs=(got,), stream=14)
+    assert torch.equal(got, torch.full((3, 2), 7.0, dtype=torch.float16))
+    assert streams == [11, 12, 13, 14]
+    assert comm.calls == [
+        ("all_reduce", (2, 3), "AllReduce #5 (TensorRT)"),
+        ("all_gather", (0, 1, 2, 3), -1, "AllGather #0 (TensorRT)"),
+        ("send", 3, "Send #0 (TensorRT)"),
+        ("recv", (3, 2), torch.float16, 1, "Recv #0 (TensorRT)"),
+    ]
+
+
+def test_complete_plugin_fields_leaves_collective_nodes_whole() -> None:
+    """Collective nodes carry every field already (to_attributes writes them all): TensorRT's copy is unchanged."""
+    from onnx import helper
+
+    from toolchain.engine.onnx_fields import complete_plugin_fields
+
+    nodes = [
+        helper.make_node(op, ["x"], [f"y{i}"], domain="trtbuild", **a.to_attributes(op))
+        for i, (op, (a, _)) in enumerate(_COLLECTIVE_CASES.items())
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [], []))
+    completed = complete_plugin_fields(model)
+    for before, after in zip(model.graph.node, completed.graph.node, strict=True):
+        assert before == after
+        assert {att.name for att in after.attribute} == COLLECTIVE_FIELDS[after.op_type]

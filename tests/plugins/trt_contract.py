@@ -145,6 +145,26 @@ class AutoTuneCombination:
 
 SERIALIZABLE = (int, float, bytes, bool, str)
 EMPTY = inspect.Parameter.empty
+# 1-D numpy array attributes, annotated numpy.typing.NDArray[dtype] (the register docs' "SupportedAttrType")
+ARRAY_DTYPES = ("int8", "int16", "int32", "int64", "float16", "float32", "float64", "bool")
+
+
+def _is_array(annotation: Any) -> bool:
+    """An NDArray[dtype] annotation of a supported dtype (numpy.ndarray[shape, numpy.dtype[dtype]])."""
+    import numpy as np
+
+    if typing.get_origin(annotation) is not np.ndarray:
+        return False
+    (dtype_arg,) = typing.get_args(typing.get_args(annotation)[1])
+    return np.dtype(dtype_arg).name in ARRAY_DTYPES
+
+
+class Tensor:
+    """tensorrt.plugin.Tensor as an impl function receives it: shape, dtype and `__cuda_array_interface__`."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: DataType):
+        self.shape = shape
+        self.dtype = dtype
 
 
 def _is_class(annotation: Any, cls: type) -> bool:
@@ -157,14 +177,17 @@ def _is_class(annotation: Any, cls: type) -> bool:
 
 def check_register(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
     """tensorrt.plugin's _parse_register_inputs / _parse_register_return: every argument annotated, no defaults,
-    TensorDescs first, attributes of serializable builtin types, returns TensorDesc or a tuple of them."""
+    TensorDescs first, attributes of serializable builtin types or 1-D NDArray[dtype], returns TensorDesc or a tuple
+    of them."""
     sig = inspect.signature(fn)
     tensors: list[str] = []
     attrs: dict[str, Any] = {}
     for name, p in sig.parameters.items():
         if p.annotation is EMPTY or p.default is not EMPTY:
             raise ValueError(f"register argument {name}: needs a type annotation and no default")
-        if _is_class(p.annotation, TensorDesc):
+        if _is_array(p.annotation):
+            attrs[name] = p.annotation
+        elif _is_class(p.annotation, TensorDesc):
             if attrs:
                 raise ValueError("TensorDescs args and attribute args cannot be interspersed")
             tensors.append(name)
@@ -181,6 +204,7 @@ def check_register(fn: Callable[..., Any]) -> tuple[list[str], dict[str, Any]]:
 
 def _check_args(kind: str, fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]], tail: list[str]) -> None:
     tensors, attrs = reg
+    tensor_cls = Tensor if kind == "impl" else TensorDesc  # impl gets the tensors themselves
     sig = inspect.signature(fn)
     used = []
     for name, p in sig.parameters.items():
@@ -188,12 +212,16 @@ def _check_args(kind: str, fn: Callable[..., Any], reg: tuple[list[str], dict[st
             used += [name] if name in attrs else []
         elif name == "outputs":
             if typing.get_origin(p.annotation) is not tuple or not all(
-                _is_class(x, TensorDesc) for x in typing.get_args(p.annotation)
+                _is_class(x, tensor_cls) for x in typing.get_args(p.annotation)
             ):
-                raise ValueError(f"'outputs' should be of type Tuple[TensorDesc]. Received {p.annotation}.")
-        elif name == "tactic":
-            _is_class(p.annotation, int) or _fail("'tactic' input argument should be an int")
-        elif _is_class(p.annotation, TensorDesc):
+                raise ValueError(f"'outputs' should be of type Tuple[{tensor_cls.__name__}]. Received {p.annotation}.")
+        elif name == "tactic" or (name == "stream" and kind == "impl"):
+            _is_class(p.annotation, int) or _fail(f"'{name}' input argument should be an int")
+        elif _is_array(p.annotation):
+            name in attrs or _fail(f"Unexpected attribute '{name}' specified in {kind} function.")
+            p.annotation == attrs[name] or _fail(f"Attribute '{name}' has a type annotation different from register's")
+            used.append(name)
+        elif _is_class(p.annotation, tensor_cls):
             name in tensors or _fail(f"Unexpected tensor '{name}' specified in {kind} function.")
         else:
             name in attrs or _fail(f"Unexpected attribute '{name}' specified in {kind} function.")
@@ -223,6 +251,15 @@ def check_aot_impl(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]
     _is_class(args[3], SymIntExprs) or _fail(f"'{args[3]}': expected a SymExprs")
 
 
+def check_impl(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
+    """_validate_impl: (inputs as Tensor, a subset of the attributes in order, outputs: Tuple[Tensor], stream: int,
+    tactic optional) -> None."""
+    sig = inspect.signature(fn)
+    _check_args("impl", fn, reg, ["outputs", "stream", *(["tactic"] if "tactic" in sig.parameters else [])])
+    if sig.return_annotation not in (None, EMPTY):
+        raise ValueError(f"impl returns {sig.return_annotation}: expected None")
+
+
 def check_autotune(fn: Callable[..., Any], reg: tuple[list[str], dict[str, Any]]) -> None:
     """_validate_autotune: (inputs, attributes in order, outputs) -> list[AutoTuneCombination], if annotated."""
     _check_args("autotune", fn, reg, ["outputs"])
@@ -237,7 +274,7 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
     {kind: {plugin id: function}} their decorators fill."""
     trt = types.ModuleType("tensorrt")
     trtp = types.ModuleType("tensorrt.plugin")
-    registry: dict[str, dict[str, Callable[..., Any]]] = {"register": {}, "autotune": {}, "aot_impl": {}}
+    registry: dict[str, dict[str, Callable[..., Any]]] = {"register": {}, "autotune": {}, "aot_impl": {}, "impl": {}}
     schemas: dict[str, tuple[list[str], dict[str, Any]]] = {}
 
     def decorator(kind: str) -> Callable[[str], Callable[[Callable[..., Any]], Callable[..., Any]]]:
@@ -251,6 +288,8 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
                     raise ValueError(f"{kind} for {plugin_id} before its register")
                 elif kind == "aot_impl":
                     check_aot_impl(fn, schemas[plugin_id])
+                elif kind == "impl":
+                    check_impl(fn, schemas[plugin_id])
                 else:
                     check_autotune(fn, schemas[plugin_id])
                 registry[kind][plugin_id] = fn
@@ -267,9 +306,9 @@ def install() -> tuple[types.ModuleType, types.ModuleType, dict[str, dict[str, C
     trtp.from_shape_expr = from_shape_expr  # type: ignore[attr-defined]
     trt.DataType = DataType  # type: ignore[attr-defined]
     trt.plugin = trtp  # type: ignore[attr-defined]
-    for name in ("register", "autotune", "aot_impl"):
+    for name in ("register", "autotune", "aot_impl", "impl"):
         setattr(trtp, name, decorator(name))
-    for cls in (TensorDesc, SymInt32, SymIntExprs, KernelLaunchParams, AutoTuneCombination):
+    for cls in (TensorDesc, Tensor, SymInt32, SymIntExprs, KernelLaunchParams, AutoTuneCombination):
         setattr(trtp, cls.__name__, cls)
     sys.modules["tensorrt"] = trt
     sys.modules["tensorrt.plugin"] = trtp

@@ -43,6 +43,7 @@ from toolchain.checkpoint.safetensors_io import (
     code_of,
 )
 from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
+from toolchain.checkpoint.spec import ExpertsFFN
 from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, rank_file, write_config
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
@@ -111,12 +112,14 @@ def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: d
             )
 
 
-def plan_conversion(ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1) -> ConversionPlan:
+def plan_conversion(
+    ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1, moe_ep: int = 1
+) -> ConversionPlan:
     source = str(ckpt.root / "config.json")
     arch, family = registry.family_for(ckpt.config, source)
     cfg = family.config_from_hf(ckpt.config, resolve_dtype(dtype, ckpt), source)
-    check_parallel(cfg, tp, pp, source)
-    cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp), use_parallel_embedding=tp > 1)
+    check_parallel(cfg, tp, pp, source, moe_ep)
+    cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp, moe_ep), use_parallel_embedding=tp > 1)
     available = set(ckpt.tensors)
     if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before building tables
         raise UserError(
@@ -153,6 +156,11 @@ def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
     if rule.experts:
         return (rule.experts, rows // rule.experts, *shapes[0][1:])
     return (rows, *shapes[0][1:])
+
+
+def _gated(rule: Rule) -> bool:
+    """Whether a MoE tensor's experts are gated (fc = [up; gate]: each half splits on its own under moe-TP)."""
+    return not isinstance(rule.ffn, ExpertsFFN) or rule.ffn.gated
 
 
 def _dtype(out: OutputTensor, dtype: np.dtype[Any]) -> np.dtype[Any]:
@@ -360,7 +368,7 @@ def write_stage(
     cfg, dtype = plan.config, plan.config.numpy_dtype
     tp = cfg.mapping.tp_size
     tensors = plan.stages[stage]
-    infos = [TensorInfo(o.name, _dtype(o, dtype), shard_shape(o.shape, o.rule.split, cfg, tp)) for o in tensors]
+    infos = [TensorInfo(o.name, _dtype(o, dtype), shard_shape(o.shape, o.rule.split, cfg, tp, o.name)) for o in tensors]
     paths = [out_dir / rank_file(cfg.mapping.rank(t, stage)) for t in range(tp)]
     with ExitStack() as stack:
         writers = [stack.enter_context(SafetensorsWriter(path, infos, {"format": "pt"})) for path in paths]
@@ -368,7 +376,7 @@ def write_stage(
         for out in tensors:
             full = next(made)  # not zip(tensors, made): zip holds the last tuple it made while it makes the next
             for t, writer in enumerate(writers):
-                writer.write(out.name, shard(full, out.rule.split, cfg, tp, t))
+                writer.write(out.name, shard(full, out.rule.split, cfg, tp, t, out.name, _gated(out.rule)))
             del full  # before the next tensor is made
             advance(1)
         assert next(made, None) is None
@@ -422,12 +430,13 @@ def convert(
     pp: int = 1,
     workers: int = 1,
     record: StageRecord | None = None,
+    moe_ep: int = 1,
 ) -> ConvertResult:
     """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI."""
     if workers < 1:
         raise UserError(f"--workers must be at least 1 (got {workers})")
     ckpt = HFCheckpoint.open(model_dir, allow_pickle=allow_pickle)
-    plan = plan_conversion(ckpt, dtype, tp, pp)
+    plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep)
     record = record or StageRecord("convert")
     if not ckpt.has_tokenizer():
         msg = f"{model_dir}: no tokenizer (tokenizer.json / tokenizer.model); the engine will lack one"
@@ -452,6 +461,7 @@ def convert(
             dtype=cfg.dtype,
             tp_size=tp,
             pp_size=pp,
+            **({"moe_ep_size": moe_ep} if moe_ep != 1 else {}),
             workers=workers,
             num_tensors=plan.num_tensors,
             num_parameters=sum(math.prod(t.shape) for stage in plan.stages for t in stage),

@@ -6,7 +6,8 @@ _utils.py::pad_vocab_size):
 - Pipeline stages take `torch.tensor_split(range(L), pp)` layers (the first L % pp stages get one more);
   layer indices are renumbered from 0 in every rank file; the embeddings live on the first stage, ln_f and
   lm_head on the last.
-- Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too; row-parallel weights
+- Column-parallel weights (qkv, mlp.fc, mlp.gate) split on dim 0, their biases too, and so do attention sinks
+  (gpt-oss: one logit per query head, so each rank holds its heads'); row-parallel weights
   (attention.dense, mlp.proj) split on dim 1 and keep their bias whole; norms are replicated.
 - A fused gate/up `mlp.fc` (Phi-3: [up; gate] stacked) splits each half on its own and stacks the rank's halves
   again ("gate_up"), so every rank holds [up_r; gate_r] (its swiglu splits its input in two halves).
@@ -14,8 +15,17 @@ _utils.py::pad_vocab_size):
   ranks, each KV head is repeated tp/kv times so every rank holds exactly one (tp must be a multiple of kv).
 - lm_head, the embedding (use_parallel_embedding, sharding dim 0) and GPT's position embedding are
   zero-padded to a multiple of tp rows, then split on dim 0.
-- A mixture-of-experts layer's router and stacked experts ("experts") are not split yet: tp > 1 is refused for a
-  model with one (issue 27: TensorRT-LLM's moe_tp / moe_ep modes).
+- A mixture-of-experts layer ("experts", tensorrt_llm/layers/moe.py `MixtureOfExperts`): each tp group holds the
+  experts as moe_ep expert groups of moe_tp = tp / moe_ep ranks (`Mapping.for_parallel`). Tp rank t is expert
+  rank t % moe_ep and expert-TP rank t // moe_ep (TensorRT-LLM's mapping, parallel/mapping.py `RankMapping`). Its
+  experts are the contiguous run `ep_experts` of E / moe_ep (its `experts_per_node`), and of each expert the
+  inter slice I / moe_tp (its `expert_inter_size`): mlp.fc's [up; gate] halves are each split on their rows and
+  stacked again (as "gate_up", per expert), mlp.proj on its last dim. The router (and its bias) is replicated:
+  every rank routes every token over all E experts; the layer's output is one all-reduce over the tp group.
+  A proj bias (gpt-oss) must be added once per expert: moe-TP rank 0 of each expert group holds it, the others
+  hold zeros (TensorRT-LLM instead adds bias / tp_size on every rank; zeros keep the split exact, and
+  `unshard` takes moe-TP rank 0's). Quantized experts are never split: convert writes float checkpoints and
+  quantize refuses split ones (TP engines come from unquantized checkpoints).
 
 `shard` splits convert's numpy arrays; `unshard` joins the torch tensors the reference forward loads.
 """
@@ -48,6 +58,7 @@ _SPLITS: tuple[tuple[re.Pattern[str], Split], ...] = (
     (re.compile(r".*\.attention\.qkv\.(weight|bias)"), "qkv"),
     (re.compile(r".*\.(attention\.dense|mlp\.proj)\.weight"), "row"),
     (re.compile(r".*\.mlp\.(fc|gate)\.(weight|bias)"), "column"),
+    (re.compile(r".*\.attention\.sinks"), "column"),  # one logit per query head (gpt-oss): a rank's own heads
 )
 
 
@@ -62,7 +73,7 @@ def split_of(name: str, ffn: FFN | None = None) -> Split:
 def ffn_split(ffn: FFN, name: str, split: Split) -> Split:
     """How tensor `name` of a feed-forward block splits, `split` being what its name says: the one place sharding
     dispatches on the FFN. A fused gate/up mlp.fc splits each half on its own ("gate_up"); a mixture of experts'
-    tensors are "experts", whole at tp=1 and refused above it."""
+    tensors are "experts" (`expert_part` says how each one splits)."""
     match ffn:
         case DenseFFN(gate_up_fused=True) if split == "column" and ".mlp.fc." in name:
             return "gate_up"
@@ -106,10 +117,10 @@ class Rule:
         return split_of(self.dst, self.ffn)
 
 
-def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
+def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str, moe_ep: int = 1) -> None:
     """Refuse splits TensorRT-LLM cannot run, naming the sizes that would work."""
-    if tp < 1 or pp < 1:
-        raise UserError(f"--tp and --pp must be at least 1 (got tp={tp}, pp={pp})")
+    if tp < 1 or pp < 1 or moe_ep < 1:
+        raise UserError(f"--tp, --pp and --moe-ep must be at least 1 (got tp={tp}, pp={pp}, moe_ep={moe_ep})")
     if not _tp_ok(cfg, tp):
         valid = [n for n in _divisors(cfg.num_attention_heads) if _tp_ok(cfg, n)]
         raise UserError(
@@ -118,8 +129,7 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
             f"num_key_value_heads {cfg.num_key_value_heads}, intermediate_size {cfg.intermediate_size}); "
             f"valid: {', '.join(map(str, valid))}"
         )
-    if tp > 1:
-        _check_experts_unsplit(cfg, tp, source)
+    _check_experts(cfg, tp, moe_ep, source)
     if pp > cfg.num_hidden_layers:
         raise UserError(
             f"{source}: pipeline-parallel size {pp} (--pp, convert.pp) exceeds num_hidden_layers "
@@ -127,19 +137,33 @@ def check_parallel(cfg: ModelConfig, tp: int, pp: int, source: str) -> None:
         )
 
 
-def _check_experts_unsplit(cfg: ModelConfig, tp: int, source: str) -> None:
+def _check_experts(cfg: ModelConfig, tp: int, moe_ep: int, source: str) -> None:
+    """moe_ep must divide tp, the experts split over moe_ep and each expert's width over moe_tp = tp / moe_ep
+    (TensorRT-LLM's MixtureOfExperts raises on either remainder)."""
     from toolchain.checkpoint.spec import spec_of  # the registry (spec_of) imports this module
 
-    for ls in spec_of(cfg, source).layers:
-        if isinstance(ls.ffn, ExpertsFFN):
-            raise experts_unsupported(f"{source}: --tp {tp}, layer {ls.index}", ls.ffn)
+    ffns = [ls.ffn for ls in spec_of(cfg, source).layers if isinstance(ls.ffn, ExpertsFFN)]
+    if not ffns:
+        if moe_ep != 1:
+            raise UserError(f"{source}: --moe-ep {moe_ep} (expert parallelism) needs a mixture-of-experts model; use 1")
+        return
+    for ffn in ffns:
+        if ffn.shared is not None:
+            raise experts_unsupported(f"{source}: --tp {tp}", ffn)
+        if not _moe_ok(ffn, tp, moe_ep):
+            valid = [ep for ep in _divisors(tp) if _moe_ok(ffn, tp, ep)]
+            raise UserError(
+                f"{source}: expert-parallel size {moe_ep} (--moe-ep) at tp {tp} does not split this model's "
+                f"experts ({ffn.num_experts} experts of width {ffn.expert_intermediate_size}: moe_ep must divide "
+                f"tp and the experts, tp / moe_ep the width); valid --moe-ep at tp {tp}: "
+                f"{', '.join(map(str, valid)) or 'none (choose another --tp)'}"
+            )
 
 
-def _experts_unsplit(tp: int) -> UserError:
-    return UserError(
-        f"tensor parallelism (tp={tp}) of mixture-of-experts tensors is not supported yet (multi-rank engines: "
-        "issue 27); convert with tp=1"
-    )
+def _moe_ok(ffn: ExpertsFFN, tp: int, moe_ep: int) -> bool:
+    if tp % moe_ep or ffn.num_experts % moe_ep:
+        return False
+    return ffn.expert_intermediate_size % (tp // moe_ep) == 0
 
 
 def _divisors(n: int) -> list[int]:
@@ -180,11 +204,76 @@ def padded_vocab(vocab: int, tp: int) -> int:
     return math.ceil(vocab / tp) * tp
 
 
-def shard_shape(shape: tuple[int, ...], split: Split, cfg: ModelConfig, tp: int) -> tuple[int, ...]:
+ExpertPart = Literal["router", "fc", "fc_bias", "proj", "proj_bias"]
+_EXPERT_PART = re.compile(r".*\.mlp\.(router|fc|proj)\.(weight|bias)")
+
+
+def expert_part(name: str) -> ExpertPart:
+    """Which tensor of a mixture-of-experts layer `name` is (module docstring: how each splits)."""
+    match = _EXPERT_PART.fullmatch(name)
+    if match is None:
+        raise AssertionError(f"{name}: not a mixture-of-experts tensor (router, fc, proj)")
+    kind, what = match.groups()
+    if kind == "router":
+        return "router"
+    return f"{kind}_bias" if what == "bias" else kind  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _ExpertSlice:
+    """Tp rank `rank`'s part of the experts: experts [first, first + count), rows [inter_rank * n, ...) of
+    each half (n = inter / moe_tp), and whether it holds the proj bias (moe-TP rank 0)."""
+
+    first: int
+    count: int
+    moe_tp: int
+    moe_tp_rank: int
+
+
+def _expert_slice(cfg: ModelConfig, num_experts: int, rank: int) -> _ExpertSlice:
+    ep, moe_tp = cfg.mapping.moe_ep_size, cfg.mapping.moe_tp_size
+    if ep * moe_tp != cfg.mapping.tp_size or num_experts % ep:
+        raise UserError(
+            f"mapping: moe_ep_size {ep} * moe_tp_size {moe_tp} with {num_experts} experts does not split over "
+            f"tp_size {cfg.mapping.tp_size}; reconvert the checkpoint"
+        )
+    per_rank = num_experts // ep
+    return _ExpertSlice((rank % ep) * per_rank, per_rank, moe_tp, rank // ep)  # RankMapping's moe_ep / moe_tp rank
+
+
+def _experts_shape(shape: tuple[int, ...], name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    part = expert_part(name)
+    if part == "router":
+        return shape
+    ep, moe_tp = cfg.mapping.moe_ep_size, cfg.mapping.moe_tp_size
+    local = (shape[0] // ep, *shape[1:])
+    if part in ("fc", "fc_bias"):
+        return (local[0], local[1] // moe_tp, *local[2:])
+    if part == "proj":
+        return (*local[:-1], local[-1] // moe_tp)
+    return local
+
+
+def _experts_shard(tensor: Array, name: str, cfg: ModelConfig, rank: int, gated: bool) -> Array:
+    part = expert_part(name)
+    if part == "router":
+        return tensor
+    s = _expert_slice(cfg, tensor.shape[0], rank)
+    mine = tensor[s.first : s.first + s.count]
+    if part == "fc" or part == "fc_bias":
+        halves = [_chunk(mine, 2, h, axis=1) for h in range(2)] if gated else [mine]
+        return np.ascontiguousarray(np.concatenate([_chunk(h, s.moe_tp, s.moe_tp_rank, axis=1) for h in halves], 1))
+    if part == "proj":
+        return np.ascontiguousarray(_chunk(mine, s.moe_tp, s.moe_tp_rank, axis=mine.ndim - 1))
+    return np.ascontiguousarray(mine if s.moe_tp_rank == 0 else np.zeros_like(mine))
+
+
+def shard_shape(shape: tuple[int, ...], split: Split, cfg: ModelConfig, tp: int, name: str = "") -> tuple[int, ...]:
+    """The shape of `shard`'s slices; `name` as there."""
     if tp == 1 or split == "replicate" or (split == "row" and len(shape) == 1):
         return shape
     if split == "experts":
-        raise _experts_unsplit(tp)
+        return _experts_shape(shape, name, cfg)
     if split == "row":
         return (shape[0], shape[1] // tp, *shape[2:])
     if split == "vocab":
@@ -208,12 +297,15 @@ def _chunk(array: Array, parts: int, index: int, axis: int = 0) -> Array:
     return array[(slice(None),) * axis + (slice(index * size, (index + 1) * size),)]
 
 
-def shard(tensor: Array, split: Split, cfg: ModelConfig, tp: int, rank: int) -> Array:
-    """The slice of `tensor` that TP rank `rank` holds (contiguous)."""
+def shard(
+    tensor: Array, split: Split, cfg: ModelConfig, tp: int, rank: int, name: str = "", gated: bool = True
+) -> Array:
+    """The slice of `tensor` that TP rank `rank` holds (contiguous). "experts" tensors need their `name` (which
+    of the layer's tensors) and whether the experts are `gated` (fc = [up; gate]); `cfg.mapping` says moe_ep."""
     if tp == 1 or split == "replicate" or (split == "row" and tensor.ndim == 1):
         return tensor
     if split == "experts":
-        raise _experts_unsplit(tp)
+        return _experts_shard(tensor, name, cfg, rank, gated)
     if split == "row":
         return np.ascontiguousarray(_chunk(tensor, tp, rank, axis=1))
     if split == "vocab":
@@ -237,15 +329,18 @@ def shard(tensor: Array, split: Split, cfg: ModelConfig, tp: int, rank: int) -> 
     return np.ascontiguousarray(_chunk(tensor, tp, rank))
 
 
-def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows: int) -> torch.Tensor:
-    """Inverse of `shard` over all TP ranks (drops vocab padding and repeated KV heads)."""
+def unshard(
+    parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows: int, name: str = "", gated: bool = True
+) -> torch.Tensor:
+    """Inverse of `shard` over all TP ranks (drops vocab padding and repeated KV heads; `name`, `gated` as
+    there)."""
     import torch
 
     tp = len(parts)
     if tp == 1 or split == "replicate" or (split == "row" and parts[0].dim() == 1):
         return parts[0]
     if split == "experts":
-        raise _experts_unsplit(tp)
+        return _experts_unshard(parts, name, cfg, gated)
     if split == "row":
         return torch.cat(parts, dim=1)
     if split == "vocab":
@@ -263,3 +358,24 @@ def unshard(parts: list[torch.Tensor], split: Split, cfg: ModelConfig, full_rows
         halves = [p.chunk(2) for p in parts]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
     return torch.cat(parts)
+
+
+def _experts_unshard(parts: list[torch.Tensor], name: str, cfg: ModelConfig, gated: bool) -> torch.Tensor:
+    """The experts from every tp rank: each expert group's moe-TP slices joined, the groups stacked in order."""
+    import torch
+
+    part = expert_part(name)
+    if part == "router":
+        return parts[0]
+    ep, moe_tp = cfg.mapping.moe_ep_size, cfg.mapping.moe_tp_size
+    groups = [[parts[t * ep + g] for t in range(moe_tp)] for g in range(ep)]  # tp rank = moe_tp_rank * ep + ep_rank
+    joined = []
+    for group in groups:
+        if part in ("fc", "fc_bias"):
+            halves = [p.chunk(2, dim=1) for p in group] if gated else [(p,) for p in group]
+            joined.append(torch.cat([torch.cat([h[i] for h in halves], dim=1) for i in range(len(halves[0]))], dim=1))
+        elif part == "proj":
+            joined.append(torch.cat(group, dim=-1))
+        else:
+            joined.append(group[0])
+    return torch.cat(joined)

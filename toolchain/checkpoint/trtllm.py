@@ -51,8 +51,11 @@ class Mapping:
     moe_ep_size: int = 1
 
     @classmethod
-    def for_parallel(cls, tp: int, pp: int) -> Mapping:
-        return cls(world_size=tp * pp, tp_size=tp, pp_size=pp, moe_tp_size=tp)
+    def for_parallel(cls, tp: int, pp: int, moe_ep: int = 1) -> Mapping:
+        """tp x pp ranks; a mixture of experts' tensors split over each tp group as moe_ep expert groups of
+        moe_tp = tp / moe_ep ranks (TensorRT-LLM's rule moe_tp * moe_ep == tp; sharding.check_parallel refuses
+        a moe_ep that does not divide tp)."""
+        return cls(world_size=tp * pp, tp_size=tp, pp_size=pp, moe_tp_size=tp // moe_ep, moe_ep_size=moe_ep)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Mapping:

@@ -395,7 +395,10 @@ class _Exporter:
     def experts_ffn(self, x: str, ls: LayerSpec, ffn: ExpertsFFN) -> str:
         """One `trtbuild::MoE` node: the normed hidden states, the router (float32 whatever the engine dtype, as
         TensorRT-LLM's router), the stacked experts' fc [E, 2I, H] ([up; gate]) and proj [E, H, I] in the engine
-        dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN."""
+        dtype (docs/conversion.md, "Mixture-of-experts layers"); fields from the layer's ExpertsFFN. On a rank of a
+        tp group (issue 27), the rank file holds its experts' run at its slice of their width (sharding.py): the
+        node computes those (expert_offset, num_local_experts) for tokens routed over all experts, and one
+        AllReduce over the tp group sums the ranks' parts (TensorRT-LLM's MixtureOfExperts)."""
         b, w, layer = self.b, self.w, ls.prefix
         p = f"{layer}.mlp"
         if ffn.shared is not None or quantized(f"{p}.router", w):
@@ -414,11 +417,19 @@ class _Exporter:
             swiglu_beta=float(ffn.swiglu_beta),
             swiglu_limit=0.0 if ffn.swiglu_limit is None else float(ffn.swiglu_limit),
         )
-        e, h = a.number_of_experts, a.expert_hidden_size
-        shapes = {f"{p}.router.weight": (e, h), f"{p}.fc.weight": (e, a.fc_rows, h)}
-        shapes[f"{p}.proj.weight"] = (e, h, a.expert_inter_size)
+        if self.rank is not None and self.tp > 1:
+            mine, moe_tp = self.rank.ep_experts(ffn.num_experts), self.rank.mapping.moe_tp_size
+            a = dataclasses.replace(
+                a,
+                expert_offset=mine.start,
+                num_local_experts=len(mine),
+                expert_inter_size=ffn.expert_intermediate_size // moe_tp,
+            )
+        e, n, h = a.number_of_experts, a.local_experts, a.expert_hidden_size
+        shapes = {f"{p}.router.weight": (e, h), f"{p}.fc.weight": (n, a.fc_rows, h)}
+        shapes[f"{p}.proj.weight"] = (n, h, a.expert_inter_size)
         if ffn.bias:
-            shapes |= {f"{p}.fc.bias": (e, a.fc_rows), f"{p}.proj.bias": (e, h)}
+            shapes |= {f"{p}.fc.bias": (n, a.fc_rows), f"{p}.proj.bias": (n, h)}
         if ffn.router_bias:
             shapes[f"{p}.router.bias"] = (e,)
         inputs, input_scales, prequants = [x], [], []
@@ -434,7 +445,8 @@ class _Exporter:
             if tuple(tensor.shape) != shape:
                 raise UserError(
                     f"{self.source}: {name} is {tuple(tensor.shape)}, layer {ls.index}'s experts need {shape} "
-                    f"({e} experts, hidden {h}, expert width {a.expert_inter_size}); re-run convert"
+                    f"({f'{n} of {e}' if n != e else e} experts, hidden {h}, expert width {a.expert_inter_size}); "
+                    "re-run convert"
                 )
             router = name in (f"{p}.router.weight", f"{p}.router.bias")
             inputs.append(b.const(name, tensor.float()) if router else b.float_const(name, tensor))
@@ -462,7 +474,7 @@ class _Exporter:
             )
         )
         b.value_info.append(helper.make_tensor_value_info(out, b.onnx_dtype, ["num_tokens", h]))
-        return out
+        return out if self.tp == 1 else self.all_reduce(out, f"{layer}.mlp.reduced")
 
     def _quantized_experts(self, prefix: str, shape: tuple[int, ...]) -> tuple[str, str | None, str | None]:
         """A stacked experts' weight stored quantized: its codes and scales checked against the shapes the quantize

@@ -43,6 +43,12 @@ MoE
   rows quantize-dequantized at its own static scale before its fc and its proj GEMM), and, when prequant,
   fc_prequant [E, hidden] and proj_prequant [E, inter] float32 after them (each expert's rows multiplied by its own
   1/s first: AWQ and SmoothQuant experts).
+  Experts split over ranks (issue 27: expert and expert-tensor parallelism, sharding.py): expert_offset and
+  num_local_experts say which experts [offset, offset + num_local_experts) this rank's weights hold (0, 0: all).
+  Every rank routes every token over all number_of_experts (the router is whole) and computes only the assignments
+  to its experts, with its expert_inter_size (the rank's slice of each expert's width); the weights' and the
+  per-expert inputs' first dim is num_local_experts. y is then the rank's partial sum, completed by an
+  AllReduce over the tp group after the node (TensorRT-LLM's MixtureOfExperts, tensorrt_llm/layers/moe.py).
 """
 
 from __future__ import annotations
@@ -166,6 +172,8 @@ OMITTED_AT: dict[str, Any] = {
     "swiglu_alpha": 1.0,
     "swiglu_beta": 0.0,
     "swiglu_limit": 0.0,
+    "expert_offset": 0,
+    "num_local_experts": 0,
 }
 
 
@@ -481,6 +489,9 @@ class MoEAttrs:
     # TensorRT-LLM's `prequant_scaling_factor` (its MoE shares one (1, in_features) across the experts,
     # tensorrt_llm/layers/moe.py `MOEWeightWrapper`; ours is per expert: quantize/experts.py)
     prequant: int = 0
+    # the experts this rank's weights hold, [expert_offset, expert_offset + num_local_experts); 0, 0: all of them
+    expert_offset: int = 0
+    num_local_experts: int = 0
 
     def __post_init__(self) -> None:
         for name in ("number_of_experts", "top_k", "expert_hidden_size", "expert_inter_size"):
@@ -489,6 +500,15 @@ class MoEAttrs:
                 raise ValueError(f"MoE {name} {value!r}: expected a positive integer")
         if self.top_k > self.number_of_experts:
             raise ValueError(f"MoE top_k {self.top_k} exceeds number_of_experts {self.number_of_experts}")
+        for name in ("expert_offset", "num_local_experts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MoE {name} {value!r}: expected an integer >= 0")
+        if self.expert_offset + self.local_experts > self.number_of_experts:
+            raise ValueError(
+                f"MoE experts {self.expert_offset} .. {self.expert_offset + self.local_experts - 1} "
+                f"(expert_offset, num_local_experts): expected within the {self.number_of_experts} experts"
+            )
         if self.router_norm not in ROUTER_NORMS:
             raise ValueError(f"MoE router_norm {self.router_norm!r}: expected one of {', '.join(ROUTER_NORMS)}")
         if self.activation not in ACTIVATIONS:
@@ -508,6 +528,11 @@ class MoEAttrs:
                 f"MoE swiglu_alpha/beta/limit apply to gated silu experts, not activation {self.activation!r} "
                 f"gated {self.gated}"
             )
+
+    @property
+    def local_experts(self) -> int:
+        """How many experts this rank computes (num_local_experts, 0 meaning all)."""
+        return self.num_local_experts or self.number_of_experts
 
     @property
     def clamped_swiglu(self) -> bool:
@@ -582,7 +607,8 @@ def moe(
     expert's rows are quantize-dequantized to E4M3 at its own scale before its fc and before its proj GEMM;
     int8_inputs (w8a8_sq experts) the same to int8. prequant (AWQ / SmoothQuant experts): two more inputs after
     those, fc_prequant [E, hidden] and proj_prequant [E, inter]; each expert's rows multiplied by its own row of
-    them first."""
+    them first. Split experts (expert_offset, num_local_experts): the weights and per-expert inputs hold the local
+    experts only; the others' assignments are skipped (their rows of y stay 0: another rank adds them)."""
     del memo
     quantized_inputs = a.fp8_inputs or a.int8_inputs
     extra = 2 * a.use_bias + a.router_bias + 2 * quantized_inputs + 2 * a.prequant
@@ -599,16 +625,17 @@ def moe(
     fc_bias, proj_bias = (biases[0], biases[1]) if a.use_bias else (None, None)
     router_bias = biases[-1] if a.router_bias else None
     t, e, k, inter = x.shape[0], a.number_of_experts, a.top_k, a.expert_inter_size
+    local, first = a.local_experts, a.expert_offset
     expected = {
         "x": (x, (t, a.expert_hidden_size)),
         "router_weight": (router_weight, (e, a.expert_hidden_size)),
-        "fc_weight": (fc_weight, (e, a.fc_rows, a.expert_hidden_size)),
-        "proj_weight": (proj_weight, (e, a.expert_hidden_size, inter)),
+        "fc_weight": (fc_weight, (local, a.fc_rows, a.expert_hidden_size)),
+        "proj_weight": (proj_weight, (local, a.expert_hidden_size, inter)),
     }
     if prequant is not None:
         expected |= {
-            "fc_prequant": (prequant[0], (e, a.expert_hidden_size)),
-            "proj_prequant": (prequant[1], (e, inter)),
+            "fc_prequant": (prequant[0], (local, a.expert_hidden_size)),
+            "proj_prequant": (prequant[1], (local, inter)),
         }
     for name, (tensor, shape) in expected.items():
         if tuple(tensor.shape) != shape:
@@ -624,8 +651,10 @@ def moe(
     counts = torch.bincount(flat, minlength=e).tolist()
     tokens, scale = order // k, weights.reshape(-1)[order].to(compute)
     start = 0
-    for expert, n in enumerate(counts):
-        if n == 0:
+    for routed, n in enumerate(counts):
+        expert = routed - first  # the index into this rank's weights
+        if n == 0 or not 0 <= expert < local:
+            start += n
             continue
         rows = tokens[start : start + n]
         xe = xc[rows] if prequant is None else xc[rows] * prequant[0][expert].to(compute)

@@ -31,10 +31,12 @@ import inspect
 from dataclasses import MISSING, fields
 from typing import Any
 
+import numpy as np
+import numpy.typing as np_typing
 import tensorrt as trt
 import tensorrt.plugin as trtp
 
-from toolchain.engine import moe_split
+from toolchain.engine import collectives, moe_split
 from toolchain.engine.onnx_fields import SINKS_PLUGIN
 from toolchain.engine.ops import OP_FIELDS, AttentionAttrs, MoEAttrs
 from toolchain.manifest import gpu_info
@@ -346,7 +348,7 @@ def _attention_sinks_impl(
 # --- the MoE op's plugins (engine/moe_split.py): MoESort, and the experts kernel's fc and proj stages -----------------
 #
 # One plugin per fixed input list: MoESort (experts); MoEFc / MoEProj with "Bias" and / or "Prequant" appended when
-# the layer has biases / AWQ-SmoothQuant 1/s vectors (moe_split.stage_op). Nine plugins with the same fifteen
+# the layer has biases / AWQ-SmoothQuant 1/s vectors (moe_split.stage_op). Nine plugins with the same
 # attributes (every MoE field, in MoEAttrs' order), so their functions are made here with explicit signatures
 # (`__signature__`, which inspect.signature — and so tensorrt.plugin's validation — reads) instead of written out
 # nine times.
@@ -542,3 +544,133 @@ for _stage in moe.STAGES:
     for _bias in (False, True):
         for _prequant in (False, True):
             _register_stage(_stage, _bias, _prequant)
+
+
+# --- the collective ops of multi-rank engines (engine/collectives.py, issue 27): AllReduce, AllGather, Send, Recv ---
+#
+# Not kernels: each enqueue hands its tensor to this process's `Communicator` (NCCL through torch.distributed on a
+# GPU, parallel/ slice B), so these are `trtp.impl` (Python, JIT) plugins, not `aot_impl` ones: TensorRT calls
+# `_collective_impl` with its stream and the I/O as `trtp.Tensor`s, which torch wraps without a copy
+# (`torch.as_tensor(..., device="cuda")` reads `__cuda_array_interface__`). The communicator's work is issued on
+# TensorRT's stream (`torch.cuda.ExternalStream` made current: ProcessGroupNCCL orders its own stream after the
+# current one and the current one after the collective), so the collective sits where the graph puts it.
+# The fields are TensorRT-LLM's (collectives.py) and every one is on every node (to_attributes writes them all):
+# engine/onnx_fields.complete_plugin_fields has nothing to fill. `group` is an INT32 array field (numpy, as
+# tensorrt.plugin takes arrays). Nothing here has run: no machine of this project has TensorRT, and NCCL needs one
+# GPU per rank (docs/kernels.md). The multi-rank build refuses TensorRT until it has (engine/build.py).
+
+_COMMUNICATOR: list[Any] = []  # this process's Communicator, set by the multi-rank runtime before the first step
+
+
+def set_communicator(comm: Any) -> None:
+    """The Communicator the collective plugins of this process's engine run through (one rank per process)."""
+    _COMMUNICATOR[:] = [comm]
+
+
+def communicator(plugin: str) -> Any:
+    if not _COMMUNICATOR:
+        raise RuntimeError(
+            f"trtbuild::{plugin}: no communicator set in this process; a multi-rank engine's rank must call "
+            "tensorrt_registration.set_communicator(comm) before its first step"
+        )
+    return _COMMUNICATOR[0]
+
+
+_INT32_ARRAY = np_typing.NDArray[np.int32]
+_GROUP_FIELDS: list[tuple[str, Any]] = [("group", _INT32_ARRAY), ("type_id", int)]
+COLLECTIVE_FIELDS: dict[str, list[tuple[str, Any]]] = {
+    collectives.ALL_REDUCE_OP: [
+        *_GROUP_FIELDS, ("strategy", int), ("config", int), ("fusion_op", int), ("counter", int), ("eps", float),
+        ("affine", int), ("bias", int), ("scale", int),
+    ],
+    collectives.ALL_GATHER_OP: [*_GROUP_FIELDS, ("axis", int)],
+    collectives.SEND_OP: [("tgt_rank", int), ("type_id", int)],
+    collectives.RECV_OP: [("src_rank", int), ("type_id", int)],
+}  # fmt: skip
+_COLLECTIVE_INPUT = {collectives.RECV_OP: "like"}  # the others take x
+
+
+def collective_attrs(op: str, values: dict[str, Any]) -> collectives.CollectiveAttrs:
+    """The node's fields as its attrs class (group an int tuple, whatever array TensorRT passes)."""
+    found = {n: values[n] for n, _ in COLLECTIVE_FIELDS[op]}
+    if "group" in found:
+        found["group"] = tuple(int(r) for r in found["group"])
+    return collectives.COLLECTIVE_ATTRS[op](**found)
+
+
+def _type_of(op: str, a: collectives.CollectiveAttrs, desc: Any) -> Any:
+    """The output's trt.DataType: type_id's (Recv), which must be the input's for the others."""
+    name = {v: k for k, v in collectives.TYPE_IDS.items()}[a.type_id]
+    dtype = getattr(trt.DataType, _DATA_TYPE_MEMBERS[name])
+    if op != collectives.RECV_OP and desc.dtype != dtype:
+        raise ValueError(f"trtbuild::{op}: input of type {desc.dtype} but type_id {a.type_id} ({name})")
+    return dtype
+
+
+def _collective_desc(op: str, v: dict[str, Any]) -> Any:
+    """AllReduce, Send: the input's shape and type; Recv: its `like` input's shape, type_id's type; AllGather: the
+    input's shape with its `axis` times the group's size."""
+    a = collective_attrs(op, v)
+    x = v[_COLLECTIVE_INPUT.get(op, "x")]
+    dtype = _type_of(op, a, x)
+    shape = list(x.shape_expr)
+    if isinstance(a, collectives.AllGatherAttrs):
+        axis = a.axis % len(shape)
+        shape[axis] = shape[axis] * len(a.group)
+    return trtp.from_shape_expr(tuple(shape), dtype)
+
+
+def _collective_impl(op: str, v: dict[str, Any]) -> None:
+    """The enqueue: the communicator's collective of the input, issued on TensorRT's stream, into outputs[0]."""
+    a = collective_attrs(op, v)
+    comm = communicator(op)
+    with on_stream(int(v["stream"])):
+        x, out = as_torch(v[_COLLECTIVE_INPUT.get(op, "x")]), as_torch(v["outputs"][0])
+        what = f"{op} #{getattr(a, 'counter', 0)} (TensorRT)"
+        out.copy_(collectives.run_collective(comm, op, a, x, what))
+
+
+def as_torch(tensor: Any) -> Any:
+    """A trtp.Tensor as a torch tensor on the same device memory (its __cuda_array_interface__, no copy)."""
+    import torch
+
+    return torch.as_tensor(tensor, device="cuda")
+
+
+def on_stream(stream: int) -> Any:
+    """TensorRT's stream made torch's current one: what torch.distributed orders its collective after."""
+    import torch
+
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream))  # type: ignore[no-untyped-call]
+
+
+def _register_collective(op: str) -> None:
+    pid, first = f"trtbuild::{op}", _COLLECTIVE_INPUT.get(op, "x")
+    attrs = COLLECTIVE_FIELDS[op]
+    params = [_P(first, _P.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc)]
+    params += [_P(n, _P.POSITIONAL_OR_KEYWORD, annotation=t) for n, t in attrs]
+    trtp.register(pid)(
+        _function(f"_{op}_desc", inspect.Signature(params, return_annotation=trtp.TensorDesc),
+                  lambda v: _collective_desc(op, v))
+    )  # fmt: skip
+    out = tuple[trtp.TensorDesc]
+    combos = [f"{TRT_TYPE_NAMES[act]}, {TRT_TYPE_NAMES[act]}" for act in collectives.TYPE_IDS]
+    tune = [
+        _P(first, _P.POSITIONAL_OR_KEYWORD, annotation=trtp.TensorDesc),
+        _P("outputs", _P.POSITIONAL_OR_KEYWORD, annotation=out),
+    ]
+    trtp.autotune(pid)(
+        _function(f"_{op}_tune", inspect.Signature(tune, return_annotation=list[trtp.AutoTuneCombination]),
+                  lambda v: [trtp.AutoTuneCombination(c, "LINEAR") for c in combos])
+    )  # fmt: skip
+    impl = [_P(first, _P.POSITIONAL_OR_KEYWORD, annotation=trtp.Tensor)]
+    impl += [_P(n, _P.POSITIONAL_OR_KEYWORD, annotation=t) for n, t in attrs]
+    impl += [_P("outputs", _P.POSITIONAL_OR_KEYWORD, annotation=tuple[trtp.Tensor]),
+             _P("stream", _P.POSITIONAL_OR_KEYWORD, annotation=int)]  # fmt: skip
+    trtp.impl(pid)(
+        _function(f"_{op}_impl", inspect.Signature(impl, return_annotation=None), lambda v: _collective_impl(op, v))
+    )
+
+
+for _op in (collectives.ALL_REDUCE_OP, collectives.ALL_GATHER_OP, collectives.SEND_OP, collectives.RECV_OP):
+    _register_collective(_op)

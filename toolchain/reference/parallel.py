@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from toolchain.checkpoint.sharding import padded_vocab, split_of, stage_layers, unshard
-from toolchain.checkpoint.spec import LayerSpec, spec_of
+from toolchain.checkpoint.spec import ExpertsFFN, LayerSpec, spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, load_rank, read_config
 from toolchain.reference.model import ReferenceModel
 
@@ -43,7 +43,8 @@ def merge_ranks(directory: Path) -> dict[str, torch.Tensor]:
                 index = int(match.group(1)) + layers.start
                 full, ffn = f"transformer.layers.{index}.{match.group(2)}", layers_of[index].ffn
             rows = cfg.max_position_embeddings if "position_embedding" in name else cfg.vocab_size
-            merged[full] = unshard(parts, split_of(name, ffn), cfg, rows)
+            gated = not isinstance(ffn, ExpertsFFN) or ffn.gated
+            merged[full] = unshard(parts, split_of(name, ffn), cfg, rows, name, gated)
     return merged
 
 

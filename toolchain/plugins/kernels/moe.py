@@ -158,6 +158,18 @@ def check(s: Stage, activation: str) -> None:
         raise ValueError(f"activation dtype {activation!r} has no kernel; choose one of {choices}")
     if s.stage not in STAGES:
         raise ValueError(f"MoE stage {s.stage!r}: expected one of {', '.join(STAGES)}")
+    split_experts(s.moe)
+
+
+def split_experts(a: MoEAttrs) -> None:
+    """Experts split over ranks (expert_offset / num_local_experts, issue 27) have no kernel yet: the grid and the
+    weights' indexing assume every expert is local. Refused by name."""
+    if a.local_experts != a.number_of_experts:
+        raise ValueError(
+            f"MoE experts {a.expert_offset} .. {a.expert_offset + a.local_experts - 1} of {a.number_of_experts} "
+            "(expert_offset, num_local_experts: an expert- or tensor-parallel rank) have no kernel yet; multi-rank "
+            "MoE engines run on the onnxruntime backend"
+        )
 
 
 def _dims(s: Stage) -> tuple[int, int, int]:
@@ -245,6 +257,7 @@ def moe(
     proj_weight: torch.Tensor,
     *biases: torch.Tensor,
 ) -> torch.Tensor:
+    split_experts(a)
     if a.fp8_inputs or a.int8_inputs:
         raise ValueError(
             f"MoE fp8_inputs {a.fp8_inputs} / int8_inputs {a.int8_inputs}: the kernel has no input quantization yet; "
