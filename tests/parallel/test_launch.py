@@ -125,6 +125,11 @@ def test_pp_world_runs_as_one_rank(engines: dict[str, Path], reference: Any) -> 
     try:  # rank 1, the last stage, sends rank 0 the logits (forward) or the tokens and sampled rows (generate)
         _same_as_one_rank(engine, reference)
         assert engine.health() is None
+        # a terminal's Ctrl-C reaches every process of the group: the worker lives on for rank 0 to drain and stop
+        os.kill(engine.worker_pids[0], signal.SIGINT)
+        time.sleep(0.5)
+        assert engine.health() is None
+        _same_as_one_rank(engine, reference)
     finally:
         _closed_cleanly(engine)
 

@@ -187,10 +187,10 @@ def experts_unsupported(where: str, ffn: ExpertsFFN) -> UserError:
     """The error a stage raises where it meets an ExpertsFFN it does not run yet."""
     return UserError(
         f"{where}: mixture-of-experts layers ({ffn.num_experts} experts, top {ffn.top_k}) are not supported here "
-        "yet: convert (tp=1), the reference forward and the CPU engine run routed experts (gpt-oss's "
-        "included), every quantize method quantizes them (AWQ, SmoothQuant and fp8 with routed calibration); shared "
-        "experts, tensor or expert parallelism and the TensorRT backend do not. Use a tp=1 checkpoint on the "
-        "onnxruntime backend, or a dense model"
+        "yet: convert (tp=1, or split with --tp / --moe-ep), the reference forward and the CPU engine run routed "
+        "experts (gpt-oss's included), every quantize method quantizes them on a tp=1 checkpoint (AWQ, SmoothQuant "
+        "and fp8 with routed calibration); shared experts and the TensorRT backend do not. Use the onnxruntime "
+        "backend, or a dense model"
     )
 
 

@@ -11,8 +11,8 @@ logits rows `batch.logits_index` asks for, float32 [num_outputs, vocab_size], on
 A multi-rank engine (issue 27: tensor / pipeline parallel, world_size > 1) has one top-level build_config.json whose
 `mapping` and `ranks` keys (written only when world_size > 1, so single-rank engines stay byte-identical) describe
 each rank's layers and KV pool; rank r's graph lives in `rank_dir(ENGINE, r)`. `EngineSpec.for_rank(r)` is the
-spec a rank opens its own graph with. Running such engines is slice B's (toolchain/parallel/launch.py): until it
-lands, opening one is refused.
+spec a rank opens its own graph with. `open_trusted` hands such an engine to toolchain/parallel/launch.py, which
+starts (or, under torchrun, joins) one process per rank and returns rank 0's facade.
 """
 
 from __future__ import annotations
@@ -334,8 +334,8 @@ def _sha256(manifest: Path) -> str | None:
 
 class Engine(Protocol):
     """One engine, opened: the runtime drives any backend through exactly this. A multi-rank engine's rank-0 facade
-    (issue 27, slice B) will add `health() -> str | None` (why a rank is down, or None) and `close()` (stop the
-    ranks); single-rank engines have neither, so callers reach them with getattr."""
+    (toolchain/parallel/engine.py) adds `health() -> str | None` (why a rank is down, or None) and `close()` (stop
+    the ranks); single-rank engines have neither, so callers reach them with getattr."""
 
     spec: EngineSpec
     vocab_size: int

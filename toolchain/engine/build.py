@@ -40,9 +40,10 @@ from toolchain.manifest import StageRecord
 from toolchain.parallel.mapping import RankMapping
 from toolchain.quantize.methods.registry import kv_by_algo
 
-# TensorRT has no collectives of ours yet (the trtbuild::AllReduce / AllGather / Send / Recv plugins), issue 27 D2
+# The trtbuild::AllReduce / AllGather / Send / Recv plugins are registered (plugins/tensorrt_registration.py) but
+# have never run under TensorRT or NCCL (no machine here has either), so multi-rank plans are not built yet
 RANKS_ON_TENSORRT = (
-    "TensorRT cannot run the collective nodes of a multi-rank graph yet (no trtbuild collective plugins)"
+    "TensorRT cannot build a multi-rank graph yet (its collective plugins have never run with TensorRT and NCCL)"
 )
 
 

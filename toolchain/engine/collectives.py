@@ -15,7 +15,8 @@ Recv        inputs like (a tensor of the received tensor's shape; its values are
             that shape and of dtype type_id sent by src_rank. Fields src_rank, type_id.
 
 `type_id` is TensorRT's nvinfer1::DataType (TYPE_IDS). A `Communicator` runs them: `LocalComm` for one rank,
-`ThreadComm` for ranks as threads of one process (fast tests), torch.distributed's in toolchain/parallel (slice B).
+`ThreadComm` for ranks as threads of one process (fast tests), `GlooComm` (toolchain/parallel/comm.py) over
+torch.distributed.
 Every failure is a `CollectiveError` naming the rank, the op, what the op was for, the group and the timeout.
 """
 
@@ -171,7 +172,7 @@ class Communicator(Protocol):
 
     def broadcast(self, x: torch.Tensor, src: int, what: str) -> torch.Tensor:
         """src's x on every rank of the world (x: the buffer of the right shape and dtype on the others); rank 0
-        broadcasts each step's header then its payload this way (slice B)."""
+        broadcasts each step's header then its payload this way (parallel/worker.py)."""
         ...
 
     def stats(self) -> dict[str, OpStats]: ...

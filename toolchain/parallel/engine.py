@@ -228,7 +228,7 @@ class DistributedEngine:
             self.comm.close()
         else:  # no STOP reached them: closing our sockets fails whatever collective they wait in, and they exit
             self.comm.close()
-            stop_ranks(self._procs, FAILED_GRACE_S)
+            stop_ranks(self._procs, FAILED_GRACE_S, terminate=False)
         self._store = None  # the TCPStore's server (and port) goes with its last reference
         for t in self._threads:
             t.join(2)
@@ -240,16 +240,22 @@ class DistributedEngine:
         self.close()
 
 
-def stop_ranks(procs: Sequence[Any], grace_s: float) -> None:
-    """Wait grace_s for the processes to exit, then terminate, then kill: none is left."""
+def stop_ranks(procs: Sequence[Any], grace_s: float, terminate: bool = True) -> None:
+    """Wait grace_s for the processes to exit, then terminate (unless told not to), then kill: none is left.
+
+    After a failure a rank has nothing left to finish, and a hung one (SIGSTOPped, or stuck in a native call) would
+    not act on SIGTERM anyway: there the wait for SIGTERM is skipped, which keeps the server's exit within D9's
+    bound (collective timeout + 5 s)."""
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
+    if terminate:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for p in procs:
+            p.join(2)
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(2)
         if p.is_alive():
             p.kill()
             p.join(2)

@@ -24,6 +24,7 @@ printing a `CollectiveError` (naming its rank) on stderr, 1 on any other error.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -245,6 +246,9 @@ def worker_main(
     parent: int,
 ) -> None:
     """The entry point of a spawned rank (launch.py): join rank 0's store and process group, then run_worker."""
+    # A terminal's Ctrl-C reaches the whole foreground process group: rank 0 drains its requests and then stops
+    # this rank, which must live until then (the parent watch ends it if rank 0 goes first)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent, rank), daemon=True, name="parent-watch").start()
     os.environ["TRTBUILD_COLLECTIVE_TIMEOUT"] = repr(timeout_s)  # rank 0 read it: every rank uses the same
     from toolchain.parallel.comm import START_TIMEOUT_S
