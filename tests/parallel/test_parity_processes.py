@@ -1,5 +1,5 @@
-"""Real multi-rank engines (slice A's build) run as real processes (slice B): `open_engine` on a TP=2 Llama and a
-PP=2 Qwen3 spawns rank 1, and rank 0's facade gives the TP=1 engine's logits and, driven by the runtime
+"""Real multi-rank engines run as real processes: `open_engine` on a TP=2 Llama, a PP=2 Qwen3 and an expert-parallel
+(EP=2) Mixtral spawns rank 1, and rank 0's facade gives the TP=1 engine's logits and, driven by the runtime
 (`LLMEngine.generate`), the same greedy tokens. test_build.py proves the same graphs with ranks as threads; here
 the collectives are gloo's, the step reaches rank 1 through the step protocol, and (PP) the last stage's tokens
 come back to rank 0. One world per model (spawn + imports: ~3 s on 2 cores), hence `slow`."""
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from models import TPB
+from models import MIXTRAL, TPB
 from worlds import sharded_checkpoint
 
 from toolchain.engine.api import open_engine
@@ -28,9 +28,10 @@ TOLERANCE = 1e-5
 PROMPTS = ([3, 17, 45, 2, 88, 60, 9, 31, 5], [70, 12, 44, 1, 96])
 TABLES = ([5, 2, 7, 11], [0, 9, 3])
 DECODE = ([8, 50, 61], [24, 90, 13])
-CASES = {
-    "llama-tp2": ("llama", 2, 1, {"num_hidden_layers": 3}),
-    "qwen3-pp2": ("qwen3", 1, 2, {"num_hidden_layers": 3}),
+CASES = {  # arch, tp, pp, moe_ep, config
+    "llama-tp2": ("llama", 2, 1, 1, {"num_hidden_layers": 3}),
+    "qwen3-pp2": ("qwen3", 1, 2, 1, {"num_hidden_layers": 3}),
+    "mixtral-ep2": ("mixtral", 2, 1, 2, MIXTRAL),  # 4 of 8 experts per rank, one AllReduce after each MoE node
 }
 
 
@@ -60,8 +61,8 @@ def generate(engine: Any) -> list[list[int]]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_process_world_matches_the_tp1_engine(name: str, tmp_path: Path) -> None:
-    arch, tp, pp, overrides = CASES[name]
-    one, split = sharded_checkpoint(tmp_path, arch, tp, pp, **overrides)
+    arch, tp, pp, moe_ep, overrides = CASES[name]
+    one, split = sharded_checkpoint(tmp_path, arch, tp, pp, moe_ep, **overrides)
     build_engine(one, tmp_path / "engine1", OPTS)
     build_engine(split, tmp_path / "engine", OPTS)
     single = open_engine(tmp_path / "engine1")
