@@ -4,7 +4,9 @@
     python bench/parallel.py --json
 
 Measured: the same model built at TP=1 and TP=2; a prefill of --batch sequences of --prompt tokens, then --steps
-decode steps, --repeat times (medians). TP=2's ranks run as threads of this process with ThreadComm
+decode steps, --repeat times (medians). TP=2 runs twice: as real processes (open_engine: rank 1 spawned, gloo
+over loopback TCP; rank 0's GlooComm stats, the step broadcast included), and with its ranks as threads of this
+process with ThreadComm
 (toolchain/engine/collectives.py), each rank's ONNX Runtime on one thread: a rank's collective time is what its
 Communicator.stats() recorded, which includes waiting at the barrier for the slower rank (the skew a real
 all-reduce waits for too) but no network. Compute = step - collectives. Bytes: what each collective's input
@@ -40,11 +42,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 from engine import random_llama  # noqa: E402  bench/engine.py: the model is defined once
 
 from toolchain.checkpoint.convert import convert  # noqa: E402
-from toolchain.engine.api import EngineSpec  # noqa: E402
+from toolchain.engine.api import Engine, EngineSpec, open_engine  # noqa: E402
 from toolchain.engine.build import BuildOptions, build_engine  # noqa: E402
 from toolchain.engine.collectives import Communicator, ThreadWorld  # noqa: E402
 from toolchain.engine.contract import Batch  # noqa: E402
 from toolchain.engine.ort_backend import OrtEngine  # noqa: E402
+from toolchain.parallel.engine import DistributedEngine  # noqa: E402
 
 LINKS = {"NVLink 4": 450e9, "PCIe 5 x16": 64e9}  # bytes/s per direction
 MODELS = {"Llama-3-8B": (4096, 32, 128256), "Llama-3-70B": (8192, 80, 128256)}  # hidden, layers, vocab
@@ -59,7 +62,7 @@ def _bytes(comm: Communicator | None) -> dict[str, int]:
     return {op: s.bytes for op, s in comm.stats().items()} if comm is not None else {}
 
 
-def run(engine: OrtEngine, comm: Communicator | None, args: argparse.Namespace) -> dict[str, Any]:
+def run(engine: Engine, comm: Communicator | None, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's repeats: prefill seconds, per decode step seconds and its collectives' share, bytes per op."""
     b, per_seq = args.batch, -(-(args.prompt + args.steps) // engine.tokens_per_block)
     tables = [list(range(s * per_seq, (s + 1) * per_seq)) for s in range(b)]
@@ -114,6 +117,15 @@ def measure(work: Path, args: argparse.Namespace) -> tuple[list[dict[str, Any]],
         t.join()
     for i, res in enumerate(results):
         rows.append({"config": f"TP=2 rank {i} (thread, 1 ORT thread)", **res})
+    # the same engine as `trtbuild generate` runs it: rank 1 a spawned process, collectives over gloo (loopback TCP);
+    # rank 0's GlooComm records its collectives, the step broadcast to rank 1 included
+    os.environ.setdefault("TRTBUILD_ORT_THREADS", "1")
+    engine = open_engine(work / "engine2")
+    assert isinstance(engine, DistributedEngine)
+    try:
+        rows.append({"config": "TP=2 rank 0 (processes, gloo, 1 ORT thread each)", **run(engine, engine.comm, args)})
+    finally:
+        engine.close()
     cfg = specs[1]
     shape = {"hidden": args.hidden, "layers": args.layers, "vocab": cfg.vocab_size}
     return rows, shape
@@ -170,8 +182,9 @@ def main() -> None:
         return
     print(
         f"measured: random Llama hidden {shape['hidden']}, {shape['layers']} layers, vocab {shape['vocab']}, float32; "
-        f"batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps, median of {args.repeat}; TP=2 ranks "
-        f"are threads of one process (ThreadComm, no network); load average {load_before[0]:.2f} before, "
+        f"batch {args.batch}, prompt {args.prompt}, {args.steps} decode steps, median of {args.repeat}; TP=2 as "
+        "processes (gloo over loopback) and as threads of one process (ThreadComm, no network); "
+        f"load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after, on {os.cpu_count()} cores"
     )
     print("| config | prefill ms | decode step ms | of which collectives ms | compute ms |")

@@ -39,7 +39,11 @@ def test_recorded_collective_bytes_are_the_analytic_ones() -> None:
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "parallel.py"), *args], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
-    for row in result["rows"][2:]:  # the two TP=2 ranks
-        assert row["decode_bytes_per_token"] == result["analytic_bytes_per_token"]
-        assert row["calls"] == {"AllReduce": 5 * 3, "AllGather": 3}  # 2 L + 1 and 1 per forward, 3 forwards
+    assert [row["config"].split(" (")[1][:7] for row in result["rows"][2:]] == ["thread,", "thread,", "process"]
+    for row in result["rows"][2:]:  # the two TP=2 ranks as threads, then rank 0 of TP=2 as processes
+        model = {op: row["decode_bytes_per_token"][op] for op in ("AllReduce", "AllGather")}
+        assert model == result["analytic_bytes_per_token"]
+        calls = {op: row["calls"][op] for op in ("AllReduce", "AllGather")}
+        assert calls == {"AllReduce": 5 * 3, "AllGather": 3}  # 2 L + 1 and 1 per forward, 3 forwards
+    assert result["rows"][4]["calls"]["Broadcast"] >= 2 * 3  # the processes' steps reached rank 1: header, payload
     assert all(row["step_s"] > 0 for row in result["rows"])

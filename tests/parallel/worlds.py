@@ -43,9 +43,7 @@ def run_threads(fn: RankFn, world_size: int, timeout_s: float = 5.0, ranks: tupl
     return results
 
 
-def sharded_checkpoint(
-    root: Path, arch: str, tp: int, pp: int, moe_ep: int = 1, **overrides: Any
-) -> tuple[Path, Path]:
+def sharded_checkpoint(root: Path, arch: str, tp: int, pp: int, moe_ep: int = 1, **overrides: Any) -> tuple[Path, Path]:
     """A random `arch` model ("llama" or a models.save_random family) converted unsplit and over tp x pp ranks
     (a mixture of experts: its experts over moe_ep of the tp ranks): -> (the TP=1 checkpoint, the split one)."""
     hf = save_random_llama(root / "hf", **overrides) if arch == "llama" else save_random(root / "hf", arch, **overrides)
