@@ -92,13 +92,13 @@ def _moe_op(directory: Path) -> str:
     """What runs the engine graph's mixture-of-experts nodes, if it has any."""
     import onnx
 
-    from toolchain.engine.api import MODEL_NAME
+    from toolchain.engine.api import MODEL_NAME, rank_dir
     from toolchain.engine.contract import PLUGIN_DOMAIN
     from toolchain.engine.ops import MOE_OP
 
     path = directory / MODEL_NAME
     if not path.is_file():  # a multi-rank engine: rank 0's graph has the same kinds of layers as every rank's
-        path = directory / "rank0" / MODEL_NAME
+        path = rank_dir(directory, 0) / MODEL_NAME
     if not path.is_file():
         return ""
     graph = onnx.load(str(path), load_external_data=False).graph

@@ -126,6 +126,27 @@ def tp2pp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return split, root / "engine"
 
 
+def test_build_holds_one_rank_in_memory_at_a_time(
+    tp2pp2: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import weakref
+
+    import toolchain.engine.build as build
+
+    alive: list[weakref.ref[torch.Tensor]] = []
+
+    def load_rank(directory: Path, rank: int) -> dict[str, torch.Tensor]:
+        assert not [r for r in alive if r() is not None], f"rank {rank} loaded while the last rank's tensors live"
+        weights = load_rank_file(directory, rank)
+        alive[:] = [weakref.ref(t) for t in weights.values()]
+        return weights
+
+    load_rank_file = build.load_rank
+    monkeypatch.setattr(build, "load_rank", load_rank)
+    build_engine(tp2pp2[0], tmp_path / "engine", OPTS)
+    assert len(alive) > 0
+
+
 def test_engine_dir_has_one_graph_per_rank_and_the_mapping(tp2pp2: tuple[Path, Path]) -> None:
     engine = tp2pp2[1]
     assert not (engine / MODEL_NAME).exists()
