@@ -123,3 +123,19 @@ def test_quantize_benchmark_smoke() -> None:
     rows = json.loads(result.stdout)["rows"]
     assert [r["run"] for r in rows] == ["baseline: trtbuild convert", "quantize w8a8_sq"]
     assert all(r["wall_s"] > 0 and r["peak_rss_mib"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_eval_of_a_tp2_engine_scores_it_and_records_every_rank_graph(cli: Any, tiny: Path, tmp_path: Path) -> None:
+    # a multi-rank engine has no top-level model.onnx: eval opens its ranks (processes) and hashes their graphs
+    from toolchain.checkpoint.convert import convert
+    from toolchain.engine.build import BuildOptions, build_engine
+
+    convert(tiny, tmp_path / "ckpt", tp=2)
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(backend="onnxruntime", max_seq_len=256))
+    args = ["eval", tmp_path / "engine", "--reference", tiny, "--data", DEMO_TEXT, "--json", "-o", tmp_path / "r"]
+    result = cli(*args, "--gate", "kld_mean_max=1e-8")
+    assert result.exit_code == 0, result.stderr
+    assert json.loads(result.stdout)["quality"]["same_top1"] == 1.0  # float32 TP=2 = transformers
+    inputs = {i["path"] for i in json.loads((tmp_path / "r" / "manifest.json").read_text())["inputs"]}
+    assert {"rank0/model.onnx", "rank1/model.onnx"} <= inputs

@@ -13,7 +13,16 @@ import torch
 
 from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
-from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
+from toolchain.engine.api import (
+    BUILD_CONFIG,
+    MODEL_NAME,
+    Engine,
+    EngineSpec,
+    load_tokenizer,
+    open_trusted,
+    rank_dir,
+    trusted_spec,
+)
 from toolchain.engine.contract import Batch
 from toolchain.engine.geometry import blocks_for
 from toolchain.errors import UserError
@@ -248,7 +257,12 @@ def run_eval(
         built=result.built,
     )
     with atomic_dir(out_dir, force, inputs=(engine_dir, reference_dir)) as tmp:
-        record.add_inputs(engine_dir, [engine_dir / BUILD_CONFIG, engine_dir / "model.onnx"])
+        graphs = (
+            [rank_dir(engine_dir, r) / MODEL_NAME for r in range(spec.world_size)]
+            if spec.world_size > 1
+            else [engine_dir / MODEL_NAME]
+        )  # a multi-rank engine's graphs are its ranks'
+        record.add_inputs(engine_dir, [engine_dir / BUILD_CONFIG, *graphs])
         for text in (data, golden):
             if text is not None:
                 record.add_inputs(text.parent, [text])
