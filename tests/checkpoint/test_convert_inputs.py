@@ -71,6 +71,15 @@ def test_bad_config_values(changes: dict[str, Any], expected: str, cli: Any, mak
     assert expected in line and "config.json" in line
 
 
+def test_an_absurd_layer_count_is_refused_before_a_split_is_planned(
+    cli: Any, make_llama: Any, tmp_path: Path
+) -> None:  # the split's checks walk the layers: the cheap count guard must come first (not a MemoryError)
+    hf = make_llama()
+    edit_config(hf, num_hidden_layers=10**9)
+    line = convert_fails(cli, hf, tmp_path / "out", "--tp", "2")
+    assert "num_hidden_layers 1000000000 but the checkpoint holds only" in line
+
+
 def test_non_utf8_config(cli: Any, make_llama: Any, tmp_path: Path) -> None:
     hf = make_llama()
     (hf / "config.json").write_bytes(b"\xff\xfe{}")

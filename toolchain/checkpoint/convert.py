@@ -118,14 +118,14 @@ def plan_conversion(
     source = str(ckpt.root / "config.json")
     arch, family = registry.family_for(ckpt.config, source)
     cfg = family.config_from_hf(ckpt.config, resolve_dtype(dtype, ckpt), source)
-    check_parallel(cfg, tp, pp, source, moe_ep)
-    cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp, moe_ep), use_parallel_embedding=tp > 1)
     available = set(ckpt.tensors)
-    if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before building tables
+    if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before any per-layer list
         raise UserError(
             f"{source}: num_hidden_layers {cfg.num_hidden_layers} but the checkpoint holds only "
             f"{len(available)} tensors; fix config.json"
         )
+    check_parallel(cfg, tp, pp, source, moe_ep)
+    cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp, moe_ep), use_parallel_embedding=tp > 1)
     rules = family.weight_table(cfg, available)
     _check_sources(ckpt, arch, rules, family.source_shapes(cfg, available))
     used = {src for rule in rules for src in rule.srcs}

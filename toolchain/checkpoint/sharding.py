@@ -142,6 +142,8 @@ def _check_experts(cfg: ModelConfig, tp: int, moe_ep: int, source: str) -> None:
     (TensorRT-LLM's MixtureOfExperts raises on either remainder)."""
     from toolchain.checkpoint.spec import spec_of  # the registry (spec_of) imports this module
 
+    if tp == 1 and moe_ep == 1:  # nothing to split: no need to build the model's layer list
+        return
     ffns = [ls.ffn for ls in spec_of(cfg, source).layers if isinstance(ls.ffn, ExpertsFFN)]
     if not ffns:
         if moe_ep != 1:
