@@ -453,7 +453,7 @@ def generate(
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text with an engine through the in-flight batching runtime."""
-    from toolchain.engine.api import load_tokenizer, open_engine
+    from toolchain.engine.api import close_engine, load_tokenizer, open_engine
     from toolchain.runtime.llm_engine import LLMEngine
     from toolchain.runtime.request import FinishReason, SamplingParams
 
@@ -461,19 +461,22 @@ def generate(
         if not 0 < top_p <= 1:
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
         engine = open_engine(engine_dir)  # first: the tokenizer is one of the files it checks
-        tok = load_tokenizer(engine_dir)
-        eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-        params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
-        with LLMEngine(engine, tok) as llm:
-            events = llm.submit(prompt, params)
-            ids, pieces = [], []
-            for event in events:
-                ids += [event.token] if event.token is not None else []
-                pieces.append(event.text)
-                if stream and not json_out and event.text:
-                    typer.echo(event.text, nl=False)
-            if event.finish_reason == FinishReason.ERROR:
-                raise UserError(f"generation failed: {event.error}")
+        try:
+            tok = load_tokenizer(engine_dir)
+            eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
+            params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
+            with LLMEngine(engine, tok) as llm:
+                events = llm.submit(prompt, params)
+                ids, pieces = [], []
+                for event in events:
+                    ids += [event.token] if event.token is not None else []
+                    pieces.append(event.text)
+                    if stream and not json_out and event.text:
+                        typer.echo(event.text, nl=False)
+                if event.finish_reason == FinishReason.ERROR:
+                    raise UserError(f"generation failed: {event.error}")
+        finally:
+            close_engine(engine)  # a multi-rank engine's ranks stop here
     if stream and not json_out:
         typer.echo("")
         return
@@ -525,7 +528,7 @@ def bench_(
 ) -> None:
     """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions,
     prefix-cache hits. Exits 1 when any request fails, unless --allow-failures."""
-    from toolchain.engine.api import open_engine
+    from toolchain.engine.api import close_engine, open_engine
     from toolchain.runtime.replay import replay, table, utilization_svg
     from toolchain.runtime.scheduler import POLICIES
     from toolchain.runtime.traces import load_trace
@@ -534,12 +537,17 @@ def bench_(
         if policy not in POLICIES:
             raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
         engine = open_engine(engine_dir)
-        limits = engine.spec.limits
-        requests, scale = load_trace(
-            trace, limits.max_seq_len, engine.vocab_size, max_requests, rate_scale, max_gap_s=max_gap_s
-        )
-        console.info(f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})")
-        r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
+        try:
+            limits = engine.spec.limits
+            requests, scale = load_trace(
+                trace, limits.max_seq_len, engine.vocab_size, max_requests, rate_scale, max_gap_s=max_gap_s
+            )
+            console.info(
+                f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})"
+            )
+            r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
+        finally:
+            close_engine(engine)  # a multi-rank engine's ranks stop here
         r["settings"].update(max_requests=max_requests, rate_scale=rate_scale, max_gap_s=max_gap_s, seed=0)
         cut = [q.gap_cut_s for q in requests if q.gap_cut_s > 0]
         r.update(trace=str(trace), length_scale=scale, gaps_cut=len(cut), gap_seconds_cut=sum(cut))

@@ -30,7 +30,7 @@ from toolchain.errors import UserError
 from toolchain.quantize.calibrate import check_ffns
 from toolchain.reference.model import ReferenceModel
 
-MOE = "mixture-of-experts layers (8 experts, top 2) are not supported here yet: convert (tp=1), the"
+MOE = "mixture-of-experts layers (8 experts, top 2) are not supported here yet: convert (tp=1, or split with --tp"
 MOE_RE = re.escape(MOE)
 
 

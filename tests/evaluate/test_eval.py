@@ -126,7 +126,7 @@ def test_quantize_benchmark_smoke() -> None:
 
 
 @pytest.mark.slow
-def test_eval_of_a_tp2_engine_scores_it_and_records_every_rank_graph(cli: Any, tiny: Path, tmp_path: Path) -> None:
+def test_eval_and_generate_on_a_tp2_engine_run_it_and_close_it(cli: Any, tiny: Path, tmp_path: Path) -> None:
     # a multi-rank engine has no top-level model.onnx: eval opens its ranks (processes) and hashes their graphs
     from toolchain.checkpoint.convert import convert
     from toolchain.engine.build import BuildOptions, build_engine
@@ -139,3 +139,9 @@ def test_eval_of_a_tp2_engine_scores_it_and_records_every_rank_graph(cli: Any, t
     assert json.loads(result.stdout)["quality"]["same_top1"] == 1.0  # float32 TP=2 = transformers
     inputs = {i["path"] for i in json.loads((tmp_path / "r" / "manifest.json").read_text())["inputs"]}
     assert {"rank0/model.onnx", "rank1/model.onnx"} <= inputs
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # eval closed the engine: its ranks are stopped, its world gone
+    done = cli("generate", tmp_path / "engine", "--prompt", "Once upon a time", "--max-new-tokens", "4", "--json")
+    assert done.exit_code == 0, done.stderr
+    assert len(json.loads(done.stdout)["tokens"]) == 4 and not dist.is_initialized()  # generate closes it too

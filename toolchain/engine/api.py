@@ -373,6 +373,14 @@ def trusted_spec(engine_dir: Path) -> EngineSpec:
     return EngineSpec.from_dir(engine_dir)
 
 
+def close_engine(engine: Engine) -> None:
+    """Stop what an opened engine started: a multi-rank engine's ranks (processes, and this process's
+    torch.distributed world); single-rank engines have nothing to close."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
+
+
 def open_engine(engine_dir: Path, backend: str | None = None) -> Engine:
     """Open `engine_dir` with its own backend, or with `backend` (a TensorRT engine's model.onnx also runs on the
     CPU with backend='onnxruntime'). Its files are checked against its manifest first (integrity.check_engine:

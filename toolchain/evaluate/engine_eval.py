@@ -18,6 +18,7 @@ from toolchain.engine.api import (
     MODEL_NAME,
     Engine,
     EngineSpec,
+    close_engine,
     load_tokenizer,
     open_trusted,
     rank_dir,
@@ -243,7 +244,10 @@ def run_eval(
                 raise UserError(f"{golden}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = open_trusted(spec, backend)
-    result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+    try:
+        result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+    finally:
+        close_engine(engine)  # a multi-rank engine's ranks (processes) stop here
     result = replace(result, built=built(spec), evaluated_with=evaluated_with(backend or spec.backend))
     if engine_label is not None:
         result = replace(result, engine_dir=str(engine_label))
