@@ -63,19 +63,8 @@ CASES: list[tuple[str, dict[str, Any]]] = [
 @pytest.fixture
 def registered() -> Iterator[tuple[Any, dict[str, Any], Any]]:
     """(tensorrt stand-in, its registry, the registration module imported against it); sys.modules restored."""
-    saved = {k: sys.modules.get(k) for k in ("tensorrt", "tensorrt.plugin", REG)}
-    sys.modules.pop(REG, None)
-    try:
-        trt, _, registry = trt_contract.install()
-        import importlib
-
-        yield trt, registry, importlib.import_module(REG)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    with trt_contract.registered(REG) as found:
+        yield found
 
 
 def _first_width(op: str, a: AttentionAttrs) -> int:

@@ -6,7 +6,6 @@ the symbolic token count, block, shared memory, scalars."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import json
 import os
@@ -40,17 +39,8 @@ LAYERS = {"gpt-oss": GPT_OSS, "awq": AWQ, "small": SMALL}
 @pytest.fixture
 def registered() -> Iterator[tuple[dict[str, Any], Any]]:
     """(the stand-in's registry, the registration module imported against it); sys.modules restored."""
-    saved = {k: sys.modules.get(k) for k in ("tensorrt", "tensorrt.plugin", REG)}
-    sys.modules.pop(REG, None)
-    try:
-        _, _, registry = trt_contract.install()
-        yield registry, importlib.import_module(REG)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                sys.modules.pop(k, None)
-            else:
-                sys.modules[k] = v
+    with trt_contract.registered(REG) as (_, registry, module):
+        yield registry, module
 
 
 def _fields(a: MoEAttrs) -> dict[str, Any]:

@@ -11,13 +11,15 @@ not a `SymInt32` ("Extra args must be a 'tensorrt.plugin.SymInt32'"); `AutoTuneC
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import importlib
 import inspect
 import json
 import sys
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -400,3 +402,19 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+@contextlib.contextmanager
+def registered(module: str) -> Iterator[tuple[types.ModuleType, dict[str, dict[str, Callable[..., Any]]], Any]]:
+    """(the tensorrt stand-in, its registry, `module` imported against it); sys.modules restored afterwards."""
+    saved = {k: sys.modules.get(k) for k in ("tensorrt", "tensorrt.plugin", module)}
+    sys.modules.pop(module, None)
+    try:
+        trt, _, registry = install()
+        yield trt, registry, importlib.import_module(module)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
