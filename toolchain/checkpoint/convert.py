@@ -32,7 +32,7 @@ import numpy as np
 
 from toolchain import console
 from toolchain.atomic import atomic_dir
-from toolchain.checkpoint import mxfp4, registry
+from toolchain.checkpoint import mxfp4, prequant, registry
 from toolchain.checkpoint.hf import SAFETENSORS_INDEX, HFCheckpoint, TensorReader
 from toolchain.checkpoint.safetensors_io import (
     FLOAT_CODES,
@@ -61,6 +61,7 @@ class OutputTensor:
     name: str
     rule: Rule
     shape: tuple[int, ...]
+    made: prequant.Made | None = None  # a pre-quantized checkpoint's tensor, made by its format's reader
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class ConversionPlan:
     architecture: str
     config: ModelConfig
     stages: tuple[tuple[OutputTensor, ...], ...]  # per pipeline stage, sorted by name
+    quantization_source: dict[str, Any] | None = None  # a pre-quantized checkpoint's producer (prequant.Format)
 
     @property
     def num_tensors(self) -> int:
@@ -126,9 +128,17 @@ def plan_conversion(
         )
     check_parallel(cfg, tp, pp, source, moe_ep)
     cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp, moe_ep), use_parallel_embedding=tp > 1)
-    rules = family.weight_table(cfg, available)
+    fmt = prequant.detect(ckpt)
+    if fmt is not None:
+        if (tp, pp, moe_ep) != (1, 1, 1):  # multi-rank engines come from unquantized checkpoints (issue 27, D1)
+            raise UserError(
+                f"{source}: a pre-quantized checkpoint ({fmt.name}) converts at tp=1 pp=1 only (got tp={tp} "
+                f"pp={pp} moe_ep={moe_ep}); split engines come from float checkpoints"
+            )
+        cfg = dataclasses.replace(cfg, quantization=fmt.quantization())
+    rules, made = _prequantized(fmt, family.weight_table(cfg, available), cfg)
     _check_sources(ckpt, arch, rules, family.source_shapes(cfg, available))
-    used = {src for rule in rules for src in rule.srcs}
+    used = {src for rule in rules for src in rule.srcs} | {src for m in made for src in m.srcs}
     leftovers = sorted(n for n in available - used if not any(p.fullmatch(n) for p in family.DROPPED))
     if leftovers:
         raise UserError(
@@ -142,8 +152,30 @@ def plan_conversion(
             name = local_name(rule.dst, layers, first=p == 0, last=p == pp - 1)
             if name is not None:
                 stage.append(OutputTensor(name, rule, _full_shape(ckpt, rule)))
+        stage.extend(OutputTensor(m.name, Rule(m.name, m.srcs), m.shape, m) for m in made)  # tp = pp = 1 only
         stages.append(tuple(sorted(stage, key=lambda t: t.name)))
-    return ConversionPlan(arch, cfg, tuple(stages))
+    return ConversionPlan(arch, cfg, tuple(stages), fmt.source() if fmt else None)
+
+
+def _prequantized(
+    fmt: prequant.Format | None, rules: list[Rule], cfg: ModelConfig
+) -> tuple[list[Rule], list[prequant.Made]]:
+    """The family's rules less the weights a pre-quantized checkpoint stores quantized, and the tensors of our
+    layout its format makes instead (with its KV cache scales)."""
+    if fmt is None:
+        return rules, []
+    kept: list[Rule] = []
+    made: list[prequant.Made] = []
+    for rule in rules:
+        replaced = fmt.linear(rule) if rule.dst.endswith(".weight") and not rule.experts else None
+        if replaced is None:
+            kept.append(rule)
+        else:
+            made.extend(replaced)
+    made.extend(fmt.extras(cfg))
+    names = [m.name for m in made] + [r.dst for r in kept]
+    assert len(names) == len(set(names)), "a format made a tensor twice or one a float rule also makes"
+    return kept, made
 
 
 def _full_shape(ckpt: HFCheckpoint, rule: Rule) -> tuple[int, ...]:
@@ -164,7 +196,10 @@ def _gated(rule: Rule) -> bool:
 
 
 def _dtype(out: OutputTensor, dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """The tensor's dtype in the checkpoint: its rule's own (a MoE router's float32), else the checkpoint's."""
+    """The tensor's dtype in the checkpoint: a pre-quantized tensor's own, its rule's own (a MoE router's float32),
+    else the checkpoint's."""
+    if out.made is not None:
+        return NUMPY_DTYPES[code_of(out.made.dtype)]
     return NUMPY_DTYPES[DTYPES[out.rule.dtype]] if out.rule.dtype else dtype
 
 
@@ -219,6 +254,8 @@ def _check_values(name: str, where: Path, out_name: str, tensor: Array, dtype: n
 def _materialize(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
     """Read the rule's sources, check, fuse, cast."""
     dtype = _dtype(out, dtype)
+    if out.made is not None:
+        return _made(out.made, reader, dtype)
     if out.rule.packing:
         return _unpacked(out, reader, dtype)
     if out.rule.experts:
@@ -238,6 +275,17 @@ def _materialize(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) 
         half = -(-tensor.shape[0] // 2)  # torch.chunk(2)'s first half
         tensor = np.concatenate([tensor[half:], tensor[:half]])
     return np.ascontiguousarray(_cast(tensor, dtype))
+
+
+def _made(made: prequant.Made, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
+    """A pre-quantized tensor as its format makes it, checked like any other (NaN scales, codes that decode to
+    NaN) and held to the shape and dtype the plan promised the writer."""
+    tensor = made.make(reader)
+    where = reader.file_of(made.srcs[0]) if made.srcs else Path(".")
+    if tensor.shape != made.shape or tensor.dtype != dtype:
+        raise AssertionError(f"{made.name}: made {tensor.dtype}{list(tensor.shape)}, planned {dtype}{list(made.shape)}")
+    _check_values(made.srcs[0] if made.srcs else made.name, where, made.name, tensor, dtype)
+    return np.ascontiguousarray(tensor)
 
 
 def _stacked(out: OutputTensor, reader: TensorReader, dtype: np.dtype[Any]) -> Array:
@@ -315,7 +363,7 @@ def _cost(reader: TensorReader, dtype: np.dtype[Any], out: OutputTensor) -> int:
     """Bytes held while making `out`: its sources as read, plus the result when fusing, casting or transposing
     makes a new tensor."""
     dtype = _dtype(out, dtype)
-    if out.rule.packing:  # the packed sources whole and the result
+    if out.made is not None or out.rule.packing:  # the sources whole and the result
         return math.prod(out.shape) * dtype.itemsize + sum(reader.nbytes(s) for s in out.rule.srcs)
     if out.rule.experts:  # the stacked result and one source at a time
         return math.prod(out.shape) * dtype.itemsize + max(reader.nbytes(s) for s in out.rule.srcs)
@@ -466,6 +514,7 @@ def convert(
             num_tensors=plan.num_tensors,
             num_parameters=sum(math.prod(t.shape) for stage in plan.stages for t in stage),
             model_dir=str(model_dir.resolve()),
+            **({"quantization_source": plan.quantization_source} if plan.quantization_source else {}),
         )
         manifest = record.write(tmp)
     return ConvertResult(

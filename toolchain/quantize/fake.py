@@ -16,7 +16,7 @@ from toolchain.checkpoint.trtllm import CONFIG_NAME, load_rank, rank_file, read_
 from toolchain.errors import UserError
 from toolchain.quantize import experts
 from toolchain.quantize.core import fake_quant
-from toolchain.quantize.methods.base import WEIGHT, quantized_prefix
+from toolchain.quantize.methods.base import WEIGHT, QuantMethod, Stored, quantized_prefix
 from toolchain.quantize.methods.kv_cache import KV_SCALE
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
@@ -36,6 +36,11 @@ class FakeQuant(Hooks):
         self.kv_scales, self.kv_kind = kv_scales, kv_kind
         self.expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> activation scale per expert
         self.expert_prequant: dict[str, torch.Tensor] = {}  # stacked experts' linear -> 1/s per expert [E, in]
+        self.linears: dict[str, tuple[QuantMethod, Stored]] = {}  # linears whose method computes them (fake_linear)
+
+    def linear(self, prefix: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        owned = self.linears.get(prefix)
+        return owned[0].fake_linear(owned[1], x, weight) if owned else None
 
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         pre = self.prequant.get(prefix)
@@ -75,6 +80,7 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     expert_scales: dict[str, torch.Tensor] = {}  # stacked experts' linear -> per-expert activation scales [E]
     expert_prequant: dict[str, torch.Tensor] = {}  # stacked experts' linear -> per-expert 1/s [E, in]
     owned: set[str] = set()  # the quantized linears' tensors, which their method has read
+    computed: dict[str, tuple[QuantMethod, Stored]] = {}  # linears whose method's fake_linear computes them
     for name in raw:
         prefix = quantized_prefix(name)
         if prefix is not None:
@@ -89,6 +95,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
                     expert_scales[prefix] = act
                 if pre is not None:  # own 1/s (w4a16_awq, w8a8_sq)
                     expert_prequant[prefix] = pre
+                owned.update(qm.tensor_names(prefix))
+                continue
+            if type(qm).fake_linear is not QuantMethod.fake_linear:  # the method computes the linear itself
+                own = {n: raw[n] for n in qm.tensor_names(prefix) if n in raw}
+                computed[prefix] = (qm, Stored(prefix, own, linear.in_features, linear.group_size))
                 owned.update(qm.tensor_names(prefix))
                 continue
             scales = qm.input_scales(linear)
@@ -106,4 +117,5 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
     model.hooks = FakeQuant(prequant, activation, activation_kind, kv_scales, kv.quant_algo if kv else None)
     model.hooks.expert_scales = expert_scales
     model.hooks.expert_prequant = expert_prequant
+    model.hooks.linears = computed
     return model

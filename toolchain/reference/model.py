@@ -53,6 +53,11 @@ class Hooks:
     def linear_input(self, prefix: str, x: torch.Tensor) -> torch.Tensor:
         return x
 
+    def linear(self, prefix: str, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """The whole linear x · weightᵀ (no bias) where the engine does more than transform its input (dynamic
+        per-block activation quantization, per-part scales); None: `linear_input`, then the product."""
+        return None
+
     def kv_cache(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return k, v
 
@@ -115,8 +120,11 @@ class ReferenceModel:
         return cls(config, weights, dtype)
 
     def _linear(self, x: torch.Tensor, prefix: str, bias: bool = False) -> torch.Tensor:
-        x = self.hooks.linear_input(prefix, x)
-        return F.linear(x, self.w[f"{prefix}.weight"], self.w[f"{prefix}.bias"] if bias else None)
+        weight = self.w[f"{prefix}.weight"]
+        y = self.hooks.linear(prefix, x, weight)
+        if y is None:
+            return F.linear(self.hooks.linear_input(prefix, x), weight, self.w[f"{prefix}.bias"] if bias else None)
+        return y + self.w[f"{prefix}.bias"] if bias else y
 
     def norm(self, x: torch.Tensor, norm: Norm) -> torch.Tensor:
         weight = self.w[f"{norm.name}.weight"]

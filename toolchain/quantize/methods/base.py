@@ -33,6 +33,22 @@ WEIGHT = "weight"  # the codes
 WEIGHT_SCALE = "weights_scaling_factor"  # every quantized linear has one: it marks the linear as quantized
 ACTIVATION_SCALE = "activation_scaling_factor"  # a static per-tensor scale of the input
 PREQUANT = "prequant_scaling_factor"  # 1/s [in], multiplying the input before anything else (SmoothQuant, AWQ)
+# Two-level scales (NVFP4's float32 global scale, W4A8's FP8 stage): TensorRT-LLM's second weight scale. It
+# multiplies, as ModelOpt's `weight_scale_2` and TensorRT-LLM's `weights_global_scaling_factor` do
+# (compressed-tensors' `*_global_scale` divides: its reader stores the reciprocal).
+WEIGHT_SCALE_2 = "weights_scaling_factor_2"
+# Integer zero points (GPTQ, AWQ GEMM, asymmetric compressed-tensors): uint8 [out, in / G], w = (q - z) * s. Ours,
+# not TensorRT-LLM's `zero` (a pre-scaled float [in / G, out]): an ONNX DequantizeLinear takes these as its zero
+# point unchanged.
+ZERO_POINT = "weights_zero_point"
+# Act-order (GPTQ desc_act): int64 [in], the input columns in the order the stored weight's columns are in, so its
+# groups are contiguous: the engine reads x[..., input_perm] (a Gather) and a blocked DequantizeLinear stays exact.
+INPUT_PERM = "input_perm"
+# Per-projection scales of a fused GEMM (q/k/v into attention.qkv; issue 28: requantizing them to the largest costs
+# KLD 0.02): int64 [parts], the output rows of each part in order. Where present, a method's per-tensor scales
+# (weights_scaling_factor / _2, activation_scaling_factor) hold one value per part, and the input is quantized
+# with each part's own scale for that part's rows.
+PARTS = "parts"
 
 
 def quantized(prefix: str, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -120,6 +136,16 @@ class GraphBuilder(Protocol):
     def op(self, op: str, inputs: list[str], name: str, **attrs: Any) -> str: ...
 
 
+def per_row(s: Stored, values: torch.Tensor, rows: int) -> torch.Tensor:
+    """A per-tensor scale [1], or one per part [parts] where the linear has PREFIX.parts (a fused GEMM's
+    per-projection scales), as a float32 column [rows, 1] over the output rows."""
+    parts = s.get(PARTS)
+    values = values.float().reshape(-1)
+    if parts is None:
+        return values.expand(rows).reshape(rows, 1)
+    return torch.repeat_interleave(values, parts.long()).reshape(rows, 1)
+
+
 def info(name: str, dtype: torch.dtype, *shape: int) -> dict[str, TensorInfo]:
     return {name: TensorInfo(name, dtype, tuple(shape))}
 
@@ -202,3 +228,15 @@ class QuantMethod:
     def export_weight(self, b: GraphBuilder, s: Stored) -> str:
         """The weight's DequantizeLinear pattern; returns its float32 output's name."""
         raise NotImplementedError
+
+    def export_gemm(self, b: GraphBuilder, s: Stored, x: str) -> str | None:
+        """The whole linear y = x · wᵀ (no bias) where one input and one weight cannot say it (a fused GEMM whose
+        parts quantize their input each with its own scale: one Q/DQ + Gemm per part, then Concat); None: the
+        default, `export`'s input and weight into one Gemm."""
+        return None
+
+    def fake_linear(self, s: Stored, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """The reference of a linear whose input treatment `input_scales` cannot say (dynamic per-token or per-block
+        activation quantization, per-part scales): y = what the engine computes from x and the dequantized
+        `weight` [out, in], without bias. None (the default): the reference applies `input_scales` itself."""
+        return None

@@ -8,7 +8,7 @@ import importlib
 from typing import TypeVar
 
 from toolchain.errors import UserError
-from toolchain.quantize.methods import KV_CACHE_NAMES, METHODS_INDEX
+from toolchain.quantize.methods import IMPORTED_INDEX, KV_CACHE_NAMES, METHODS_INDEX
 from toolchain.quantize.methods.base import QuantMethod
 from toolchain.quantize.methods.kv_cache import FP8_KV, INT8_KV, KvCacheQuant
 
@@ -24,7 +24,10 @@ def _load(name: str, where: str) -> QuantMethod:
 METHODS: dict[str, QuantMethod] = {name: _load(name, entry.where) for name, entry in METHODS_INDEX.items()}
 KV_CACHES: dict[str, KvCacheQuant | None] = {kv.name if kv else "none": kv for kv in (None, INT8_KV, FP8_KV)}
 assert tuple(KV_CACHES) == KV_CACHE_NAMES, "methods/__init__.py lists the KV caches kv_cache.py defines"
-_BY_ALGO = {m.quant_algo: m for m in METHODS.values()}
+# read from pre-quantized checkpoints, not made by `quantize` (methods/__init__.py IMPORTED_INDEX)
+IMPORTED: dict[str, QuantMethod] = {name: _load(name, entry.where) for name, entry in IMPORTED_INDEX.items()}
+_BY_ALGO = {m.quant_algo: m for m in (*METHODS.values(), *IMPORTED.values())}
+assert len(_BY_ALGO) == len(METHODS) + len(IMPORTED), "two methods claim one quant_algo"
 _KV_BY_ALGO = {kv.quant_algo: kv for kv in KV_CACHES.values() if kv is not None}
 
 

@@ -4,7 +4,7 @@ PREFIX.prequant_scaling_factor [in] = 1/s in the model dtype, which multiplies t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -17,7 +17,7 @@ from toolchain.quantize.methods.w4a16 import GroupwiseInt4, _check_even
 
 class W4A16Awq(GroupwiseInt4):
     quant_algo = "W4A16_AWQ"
-    suffixes = (WEIGHT, WEIGHT_SCALE, PREQUANT)
+    suffixes: ClassVar[tuple[str, ...]] = (WEIGHT, WEIGHT_SCALE, PREQUANT)
     needs_calibration = True
     streamable = False
     pre_quant_scale = True
