@@ -28,6 +28,7 @@ from toolchain import serve as serving  # the server's defaults (constants only;
 from toolchain.engine.backends import AUTO, TENSORRT
 from toolchain.engine.backends import CHOICES as BACKEND_CHOICES
 from toolchain.errors import UserError
+from toolchain.quantize import FORMATS as QUANTIZE_FORMATS
 from toolchain.quantize.methods import (
     DEFAULT_GROUP_SIZE,
     GROUP_SIZE_CHOICES,
@@ -206,6 +207,7 @@ def _one_of(values: tuple[int, ...]) -> str:
 
 Method = Enum("Method", {name: name for name in METHOD_NAMES}, type=str)  # type: ignore[misc]
 KvCache = Enum("KvCache", {name: name for name in KV_CACHE_NAMES}, type=str)  # type: ignore[misc]
+QuantFormat = Enum("QuantFormat", {name: name for name in QUANTIZE_FORMATS}, type=str)  # type: ignore[misc]
 
 
 @app.command(
@@ -243,6 +245,14 @@ def quantize(
         Path | None, typer.Option("--eval-data", help="Text to measure the quality cost on (KLD, PPL ratio, top-1).")
     ] = None,
     eval_tokens: Annotated[int, typer.Option("--eval-tokens", min=2, help="Tokens of --eval-data to score.")] = 50_000,
+    out_format: Annotated[
+        QuantFormat,
+        typer.Option(
+            "--format",
+            help="trtllm: our TensorRT-LLM checkpoint (build reads it); hf: ModelOpt's unified Hugging Face "
+            "checkpoint (vLLM, SGLang, TensorRT-LLM's PyTorch backend; fp8, w4a16_awq, w8a16).",
+        ),
+    ] = QuantFormat("trtllm"),
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -260,6 +270,7 @@ def quantize(
             seed,
             tuple(exclude) if exclude else ("lm_head",),
             parse_sq_alpha(sq_alpha),
+            out_format.value,
         )
         r = quantize_checkpoint(checkpoint, output, opts, eval_data, eval_tokens, force)
     _emit(r.to_json(), json_out, r.lines())

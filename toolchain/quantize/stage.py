@@ -43,7 +43,7 @@ from toolchain.checkpoint.trtllm import (
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord, sha256_file
 from toolchain.quality import QualityReport, compare
-from toolchain.quantize import experts
+from toolchain.quantize import FORMATS, experts
 from toolchain.quantize.calibrate import (
     MIN_EXPERT_TOKENS,
     Calibration,
@@ -52,6 +52,7 @@ from toolchain.quantize.calibrate import (
     sample_windows,
 )
 from toolchain.quantize.fake import load_quantized
+from toolchain.quantize.hf_export import check_exportable, write_hf
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
 from toolchain.quantize.methods.kv_cache import KvCacheQuant
 from toolchain.quantize.methods.registry import KV_CACHES, method
@@ -73,8 +74,11 @@ class QuantizeOptions:
     seed: int = 0
     exclude: tuple[str, ...] = DEFAULT_EXCLUDE
     sq_alpha: Alpha = 0.5  # or "auto": searched per group of linears (smoothquant.py)
+    format: str = "trtllm"  # or "hf": ModelOpt's unified Hugging Face checkpoint (hf_export.py)
 
     def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise UserError(f"format {self.format!r} is not supported; choose one of {', '.join(FORMATS)}")
         sizes = method(self.method).group_sizes  # a name the registry does not hold is one clear error
         if self.kv_cache not in KV_CACHES:
             raise UserError(f"kv cache {self.kv_cache!r} is not supported; choose one of {', '.join(KV_CACHES)}")
@@ -292,6 +296,9 @@ def quantize_checkpoint(
     if missing:
         raise UserError(f"{rank_path}: {missing[0]}.weight missing; config.json's model needs it (re-run convert)")
     chosen = [p for p in linears if not excluded(p, opts.exclude)]
+    if opts.format == "hf":  # refused before any quantization: what ModelOpt's layout cannot hold
+        planned = QuantConfig(qm.quant_algo, kv.quant_algo if kv else None, opts.group_size)
+        check_exportable(dataclasses.replace(cfg, quantization=planned), str(source), chosen)
     windows, calib_info = _windows(source, opts) if opts.needs_calibration else (None, {})
     out, calib, choices = _quantize_layerwise(source, cfg, spec, opts, set(chosen), windows)
     kv_tensors, kv_clip = kv.scales(calib) if kv else ({}, {})
@@ -328,14 +335,19 @@ def quantize_checkpoint(
         record.details[qm.details_key] = {prefix: choice.summary() for prefix, choice in sorted(choices.items())}
     with atomic_dir(out_dir, force, inputs=(source,)) as tmp:
         record.add_inputs(source, [source / CONFIG_NAME, source / rank_file(0)])
-        write_config(tmp, qcfg)
-        _write(rank_path, tmp / rank_file(0), out)
+        ckpt = tmp / ".trtllm" if opts.format == "hf" else tmp  # hf: our checkpoint first, rewritten below
+        ckpt.mkdir(exist_ok=True)
+        write_config(ckpt, qcfg)
+        _write(rank_path, ckpt / rank_file(0), out)
         for name in TOKENIZER_FILES:
             if (source / name).is_file():
                 shutil.copyfile(source / name, tmp / name)
-        report = _quality(source, tmp, eval_data, eval_tokens) if eval_data else None
+        report = _quality(source, ckpt, eval_data, eval_tokens) if eval_data else None
         if report:
             record.details["quality"] = report.to_dict()
+        if opts.format == "hf":
+            record.details["format"] = {"name": "hf", "layout": "modelopt unified HF", "files": write_hf(ckpt, tmp)}
+            shutil.rmtree(ckpt)
         manifest = record.write(tmp)
     return QuantizeResult(
         output_dir=str(out_dir.resolve()),
