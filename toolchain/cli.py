@@ -250,7 +250,7 @@ def quantize(
         typer.Option(
             "--format",
             help="trtllm: our TensorRT-LLM checkpoint (build reads it); hf: ModelOpt's unified Hugging Face "
-            "checkpoint (vLLM, SGLang, TensorRT-LLM's PyTorch backend; fp8, w4a16_awq, w8a16).",
+            "checkpoint (vLLM, SGLang, TensorRT-LLM's PyTorch backend; fp8, w4a16_awq, w8a16, nvfp4, w4a8_awq).",
         ),
     ] = QuantFormat("trtllm"),
     force: ForceOpt = False,

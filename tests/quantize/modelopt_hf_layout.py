@@ -2,8 +2,9 @@
 to: run in a python that imports `modelopt` (a subprocess; trtbuild's own process never imports it), files in and
 out (JSON), no pickles.
 
-    HF OUT CALIB GROUP   for each of fp8 (+ FP8 KV cache), int4_awq (block GROUP), int8_wo: HF quantized on CPU with
-                         ModelOpt's own config (calibration: the first windows of text file CALIB), written by
+    HF OUT CALIB GROUP   for each of fp8 (+ FP8 KV cache), int4_awq and w4a8_awq (int4 block GROUP), int8_wo and
+                         nvfp4: HF quantized on CPU with ModelOpt's own config (calibration: the first windows of
+                         text file CALIB), written by
                          `modelopt.torch.export.export_hf_checkpoint` into OUT/ALGO, and OUT/ALGO/layout.json:
                          {tensor: [safetensors dtype, shape]} of its weights, and `convert_hf_quant_config_format`
                          of hf_quant_config.json under the key "__quantization_config__" (what config.json embeds)
@@ -31,12 +32,20 @@ def main(hf: Path, out: Path, calib: Path, group: int) -> None:
     tok = AutoTokenizer.from_pretrained(hf)
     ids = tok(calib.read_text(encoding="utf-8")[:16384], return_tensors="pt").input_ids[0]
     windows = [ids[i * 64 : (i + 1) * 64][None] for i in range(4)]
-    configs = {"fp8": mtq.FP8_DEFAULT_CFG, "int4_awq": mtq.INT4_AWQ_CFG, "int8_wo": mtq.INT8_WEIGHT_ONLY_CFG}
+    configs = {
+        "fp8": mtq.FP8_DEFAULT_CFG,
+        "int4_awq": mtq.INT4_AWQ_CFG,
+        "int8_wo": mtq.INT8_WEIGHT_ONLY_CFG,
+        "nvfp4": mtq.NVFP4_DEFAULT_CFG,
+        "w4a8_awq": mtq.W4A8_AWQ_BETA_CFG,
+    }
     for algo, base in configs.items():
         cfg = copy.deepcopy(base)
         for entry in cfg["quant_cfg"]:
-            if entry.get("quantizer_name") == "*weight_quantizer" and algo == "int4_awq":
-                entry["cfg"]["block_sizes"][-1] = group
+            if entry.get("quantizer_name") == "*weight_quantizer" and algo in ("int4_awq", "w4a8_awq"):
+                for c in entry["cfg"] if isinstance(entry["cfg"], list) else [entry["cfg"]]:
+                    if c.get("block_sizes"):  # the int4 stage (W4A8's second, FP8 stage has none)
+                        c["block_sizes"][-1] = group
         if algo == "fp8":
             cfg["quant_cfg"] = [*cfg["quant_cfg"], *copy.deepcopy(mtq.FP8_KV_CFG["quant_cfg"])]
         torch.manual_seed(0)

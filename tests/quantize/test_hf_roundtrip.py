@@ -36,7 +36,13 @@ HERE = Path(__file__).parent
 GROUP = 32
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # method -> (KV cache, ModelOpt's config name in modelopt_hf_layout.py)
-METHOD_CASES = {"fp8": ("fp8", "fp8"), "w4a16_awq": ("none", "int4_awq"), "w8a16": ("none", "int8_wo")}
+METHOD_CASES = {
+    "fp8": ("fp8", "fp8"),
+    "w4a16_awq": ("none", "int4_awq"),
+    "w8a16": ("none", "int8_wo"),
+    "nvfp4": ("none", "nvfp4"),
+    "w4a8_awq": ("none", "w4a8_awq"),
+}
 
 
 # -- float checkpoints: the inverse name and config maps ----------------------------------------------------------
@@ -83,19 +89,41 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 def _quantize(ckpt: Path, out: Path, method: str, fmt: str) -> Path:
     kv = METHOD_CASES[method][0]
-    opts = QuantizeOptions(method, kv, GROUP, ckpt.parent / "calib.txt", 4, 64, format=fmt)
+    opts = QuantizeOptions(method, kv, GROUP, ckpt.parent / "calib.txt", 2, 64, format=fmt)
     quantize_checkpoint(ckpt, out, opts)
     return out
 
 
 @pytest.fixture(scope="module")
 def exports(model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Per method: (the --format hf output, the --format trtllm output of the same options)."""
+    """Per method: (its ModelOpt HF checkpoint, our checkpoint it was written from). The HF one is `write_hf` of
+    ours, what `quantize --format hf` writes (test_quantize_format_hf_is_write_hf_of_the_checkpoint)."""
     root = tmp_path_factory.mktemp("exports")
-    return {
-        m: (_quantize(model[1], root / f"{m}-hf", m, "hf"), _quantize(model[1], root / m, m, "trtllm"))
-        for m in METHOD_CASES
-    }
+    made = {}
+    for method in METHOD_CASES:
+        ours, hf = _quantize(model[1], root / method, method, "trtllm"), root / f"{method}-hf"
+        hf.mkdir()
+        write_hf(ours, hf)
+        for name in (*TOKENIZER, "generation_config.json"):
+            shutil.copyfile(ours / name, hf / name)
+        made[method] = (hf, ours)
+    return made
+
+
+def test_quantize_format_hf_is_write_hf_of_the_checkpoint(
+    model: tuple[Path, Path], exports: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The stage's --format hf: the same files, byte for byte, as our checkpoint of the same options rewritten, plus
+    the tokenizer and a manifest; no trace of the intermediate checkpoint."""
+    out = _quantize(model[1], tmp_path / "fp8-hf", "fp8", "hf")
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", HF_QUANT_CONFIG, "manifest.json", "model.safetensors", "generation_config.json", *TOKENIZER]
+    )
+    for name in ("config.json", HF_QUANT_CONFIG, "model.safetensors"):
+        assert (out / name).read_bytes() == (exports["fp8"][0] / name).read_bytes(), name
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["details"]["format"]["files"] == ["model.safetensors", "config.json", HF_QUANT_CONFIG]
+    assert {o["path"] for o in manifest["outputs"]} >= {"model.safetensors", "config.json", HF_QUANT_CONFIG}
 
 
 def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
@@ -111,15 +139,14 @@ def test_hf_tensors_are_our_checkpoints_in_modelopts_encoding(
     method: str, exports: dict[str, tuple[Path, Path]]
 ) -> None:
     hf_dir, ours_dir = exports[method]
-    assert sorted(p.name for p in hf_dir.iterdir()) == sorted(
-        ["config.json", HF_QUANT_CONFIG, "manifest.json", "model.safetensors", "generation_config.json", *TOKENIZER]
-    )
     cfg = read_config(ours_dir)
     algo, kv = cfg.quantization.quant_algo, cfg.quantization.kv_cache_quant_algo
     hf_quant = json.loads((hf_dir / HF_QUANT_CONFIG).read_text())
     body: dict[str, Any] = {"quant_algo": algo, "kv_cache_quant_algo": kv}
-    if algo == "W4A16_AWQ":
+    if algo in ("W4A16_AWQ", "W4A8_AWQ"):
         body.update(group_size=GROUP, has_zero_point=False, pre_quant_scale=True)
+    if algo == "NVFP4":
+        body["group_size"] = 16
     body["exclude_modules"] = ["lm_head", "model.embed_tokens"]
     assert hf_quant == {"producer": {"name": "trtbuild", "version": __version__}, "quantization": body}
     config = json.loads((hf_dir / "config.json").read_text())
@@ -137,7 +164,8 @@ def test_hf_tensors_are_our_checkpoints_in_modelopts_encoding(
             assert torch.equal(torch.cat([hf[s] for s in rule.srcs]), ours[rule.dst])  # float: as it was
             used.update(rule.srcs)
             continue
-        names = {f"{h}.{t}" for h in heads for t in ("weight", "weight_scale", "input_scale", "pre_quant_scale")}
+        suffixes = ("weight", "weight_scale", "weight_scale_2", "input_scale", "pre_quant_scale")
+        names = {f"{h}.{t}" for h in heads for t in suffixes}
         used.update(names & set(hf))
         scale = ours[f"{prefix}.weights_scaling_factor"]
         weight = torch.cat([hf[f"{h}.weight"] for h in heads])
@@ -154,15 +182,35 @@ def test_hf_tensors_are_our_checkpoints_in_modelopts_encoding(
         elif algo == "W8A16":
             assert weight.dtype == torch.int8 and torch.equal(weight, ours[rule.dst])
             assert torch.equal(torch.cat([hf[f"{h}.weight_scale"] for h in heads]), scale)
+        elif algo == "NVFP4":  # our bytes: E2M1 pairs, E4M3 block scales; both global scales multiply in both
+            assert weight.dtype == torch.uint8 and torch.equal(weight, ours[rule.dst])
+            blocks = torch.cat([hf[f"{h}.weight_scale"] for h in heads])
+            assert blocks.dtype == torch.float8_e4m3fn and torch.equal(
+                blocks.view(torch.uint8), scale.view(torch.uint8)
+            )
+            for h in heads:
+                for name, ours_name in (
+                    ("weight_scale_2", "weights_scaling_factor_2"),
+                    ("input_scale", "activation_scaling_factor"),
+                ):
+                    assert hf[f"{h}.{name}"].shape == () and hf[f"{h}.{name}"] == ours[f"{prefix}.{ours_name}"]
         else:
             assert weight.dtype == torch.uint8
             codes = _unpack_nibbles(weight)
             scales = torch.cat([hf[f"{h}.weight_scale"] for h in heads])
             dequantized = (codes.float().reshape(codes.shape[0], -1, GROUP) * scales[..., None]).reshape(codes.shape)
             stored = Stored(prefix, ours, codes.shape[1], GROUP)
-            assert torch.equal(dequantized, qm.dequantize(stored))  # ModelOpt's w = q · weight_scale, ours alike
+            if algo == "W4A16_AWQ":  # ModelOpt's w = q · weight_scale, ours alike
+                assert torch.equal(dequantized, qm.dequantize(stored))
+            else:  # W4A8_AWQ: then the FP8 stage at weight_scale_2, as ModelOpt's fake quant and ours (w4a8_awq.py)
+                ws2 = ours[f"{prefix}.weights_scaling_factor_2"]
+                fp8 = (dequantized / ws2).clamp(-448, 448).to(torch.float8_e4m3fn).float() * ws2
+                assert torch.equal(fp8, qm.dequantize(stored))
             for h in heads:
                 assert torch.equal(hf[f"{h}.pre_quant_scale"], ours[f"{prefix}.prequant_scaling_factor"])
+                if algo == "W4A8_AWQ":
+                    assert hf[f"{h}.weight_scale_2"].shape == () and hf[f"{h}.weight_scale_2"] == ws2
+                    assert hf[f"{h}.input_scale"] == ours[f"{prefix}.activation_scaling_factor"]
     if kv:
         for i in range(cfg.num_hidden_layers):
             p, want = f"model.layers.{i}.self_attn", ours[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"]
@@ -194,7 +242,7 @@ def test_layout_is_modelopts_own(
 ) -> None:
     """Names, dtypes and shapes of every tensor, hf_quant_config.json and config.json's quantization_config equal
     what ModelOpt 0.47's `export_hf_checkpoint` writes for the same model and method, but for the producer and
-    W4A16_AWQ's pre_quant_scale on q/k/v and gate/up: ModelOpt folds those into the preceding norms
+    the AWQ methods' pre_quant_scale on q/k/v and gate/up: ModelOpt folds those into the preceding norms
     (`requantize_resmooth_fused_llm_layers`), we keep them on the linears (the layout allows either)."""
     theirs_root = _modelopt_layouts(model[0], tmp_path / "modelopt")
     for method, (_, modelopt_name) in METHOD_CASES.items():
@@ -206,7 +254,7 @@ def test_layout_is_modelopts_own(
         with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
             ours = {n: [f.get_slice(n).get_dtype(), list(f.get_slice(n).get_shape())] for n in f.keys()}  # noqa: SIM118
         extra = set(ours) - set(theirs)
-        if method == "w4a16_awq":
+        if method in ("w4a16_awq", "w4a8_awq"):
             folded = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
             assert extra == {f"model.layers.{i}.{m}.pre_quant_scale" for i in range(2) for m in folded}
         else:

@@ -7,26 +7,32 @@ to another runtime"). The inverse of what convert reads (checkpoint/prequant/mod
   `hf_quant_config.json` {"producer": {"name", "version"}, "quantization": {...}} (unified_export_hf.py, the
   writer of hf_quant_config.json; quant_utils.py `get_quant_config`). `quantization` holds quant_algo,
   kv_cache_quant_algo and exclude_modules, plus group_size, has_zero_point false and pre_quant_scale true for
-  W4A16_AWQ (quant_utils.py `process_layer_quant_config`). config.json's `quantization_config` is
-  `convert_hf_quant_config_format` of it (convert_hf_config.py): config_groups for FP8 only, `ignore`,
-  `quant_algo`, `kv_cache_scheme`, `producer`, `quant_method: "modelopt"`. The producer is trtbuild.
-- Tensors per quantized linear H (an HF module name, unified_export_hf.py `_export_quantized_weight`,
-  quant_utils.py `to_quantized_weight`): FP8: H.weight float8_e4m3fn = w / weight_scale, H.weight_scale and
-  H.input_scale float32 0-d (amax / 448). W4A16_AWQ: H.weight uint8 [out/2, in], int4 codes round(w /
-  weight_scale) in [-8, 7], output row 2j in the low nibble and 2j+1 in the high one (`pack_int4_in_uint8`:
-  the bytes of our w4a16 packing, reinterpreted), H.weight_scale float32 [out, in/G], H.pre_quant_scale [in]
-  (multiplies the input, as our prequant_scaling_factor). W8A16: H.weight int8 = round(w / weight_scale[:, None]),
-  H.weight_scale float32 [out]. FP8 KV cache: self_attn.k_proj.k_scale and self_attn.v_proj.v_scale float32 0-d
-  (`postprocess_state_dict`: amax / 448); our one scale per layer is written to both (a reader takes max(k, v)).
+  W4A16_AWQ and W4A8_AWQ, and group_size 16 for NVFP4 (quant_utils.py `process_layer_quant_config`).
+  config.json's `quantization_config` is `convert_hf_quant_config_format` of it (convert_hf_config.py):
+  config_groups for FP8 and NVFP4 only, `ignore`, `quant_algo`, `kv_cache_scheme`, `producer`,
+  `quant_method: "modelopt"`. The producer is trtbuild.
+- Tensors per quantized linear H (an HF module name; unified_export_hf.py `_export_quantized_weight`,
+  quant_utils.py `to_quantized_weight`):
+  FP8: H.weight float8_e4m3fn = w / weight_scale; H.weight_scale and H.input_scale float32 0-d (amax / 448).
+  W4A16_AWQ: H.weight uint8 [out/2, in], int4 codes round(w / weight_scale) in [-8, 7], output row 2j in the low
+  nibble and 2j+1 in the high one (`pack_int4_in_uint8`: the bytes of our w4a16 packing, reinterpreted);
+  H.weight_scale float32 [out, in/G]; H.pre_quant_scale [in] (multiplies the input, as our prequant_scaling_factor).
+  W4A8_AWQ: those plus H.weight_scale_2 (the FP8 stage's scale) and H.input_scale, float32 0-d.
+  W8A16: H.weight int8 = round(w / weight_scale[:, None]); H.weight_scale float32 [out].
+  NVFP4: H.weight uint8 [out, in/2] (two E2M1 a byte, the even input column low); H.weight_scale float8_e4m3fn
+  [out, in/16]; H.weight_scale_2 and H.input_scale float32 0-d, both multiplying ("Dequant is ``nibble *
+  weight_scale * weight_scale_2``") — our nvfp4 bytes under ModelOpt's names.
+  FP8 KV cache: self_attn.k_proj.k_scale and self_attn.v_proj.v_scale float32 0-d (`postprocess_state_dict`:
+  amax / 448); our one scale per layer is written to both (a reader takes max(k, v)).
 - A fused linear of ours (q/k/v in attention.qkv) is split back into its projections by the family's own table
   (`weight_table`, each part's rows from `source_shapes`): its per-tensor scales go to every part, or one value
   each where the checkpoint keeps per-part scales (PREFIX.parts).
 
 Refused by name: families other than Llama, Mistral, Qwen2 and Qwen3 (their inverse maps — Phi-3's fused rows,
 Gemma's +1 norms, GPT-2's transposes, experts — are not written yet); methods ModelOpt's layout has no name for
-here (w4a16: no AWQ scales; w8a8_sq, nvfp4, w4a8_awq: not yet); INT8 KV caches (ModelOpt's HF export has none);
-int4 linears whose input is not whole groups (ModelOpt's `_validate_int4_block_size`); a quantized lm_head tied to
-the embedding.
+here (w4a16: no AWQ scales; w8a8_sq and mxfp8: not yet); INT8 KV caches (ModelOpt's HF export has none); int4
+linears whose input is not whole groups (ModelOpt's `_validate_int4_block_size`); a quantized lm_head tied to the
+embedding.
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import ModelConfig, rank_file, read_config
 from toolchain.errors import UserError
-from toolchain.quantize.methods.base import ACTIVATION_SCALE, PARTS, PREQUANT, WEIGHT, WEIGHT_SCALE
+from toolchain.quantize.methods.base import ACTIVATION_SCALE, PARTS, PREQUANT, WEIGHT, WEIGHT_SCALE, WEIGHT_SCALE_2
 from toolchain.quantize.methods.kv_cache import KV_SCALE
+from toolchain.quantize.methods.nvfp4 import BLOCK as NVFP4_BLOCK
 
 # architecture -> transformers' model_type: the families whose inverse maps are written
 FAMILIES = {
@@ -56,7 +63,8 @@ FAMILIES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-ALGOS = ("FP8", "W4A16_AWQ", "W8A16")  # quant_algo written (ModelOpt's name for each is the same)
+ALGOS = ("FP8", "W4A16_AWQ", "W8A16", "NVFP4", "W4A8_AWQ")  # quant_algo written (ModelOpt's names are the same)
+INT4 = ("W4A16_AWQ", "W4A8_AWQ")  # two output rows a byte, whole groups of the input
 KV_ALGOS = ("FP8",)
 HF_QUANT_CONFIG = "hf_quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -110,8 +118,10 @@ def quant_config(cfg: ModelConfig, exclude: list[str]) -> dict[str, Any]:
     """hf_quant_config.json, as ModelOpt's `get_quant_config` writes it for a model of one quant_algo."""
     q = cfg.quantization
     body: dict[str, Any] = {"quant_algo": q.quant_algo, "kv_cache_quant_algo": q.kv_cache_quant_algo}
-    if q.quant_algo == "W4A16_AWQ":
+    if q.quant_algo in INT4:
         body.update(group_size=q.group_size, has_zero_point=False, pre_quant_scale=True)
+    if q.quant_algo == "NVFP4":
+        body["group_size"] = NVFP4_BLOCK
     body["exclude_modules"] = sorted(exclude)
     return {"producer": {"name": "trtbuild", "version": __version__}, "quantization": body}
 
@@ -129,6 +139,9 @@ def quantization_config(hf_quant: dict[str, Any]) -> dict[str, Any]:
                 "targets": ["Linear"],
             }
         }
+    if body["quant_algo"] == "NVFP4":
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float", "group_size": body["group_size"]}
+        out["config_groups"] = {"group_0": {"input_activations": fp4, "weights": dict(fp4), "targets": ["Linear"]}}
     out["ignore"] = body["exclude_modules"]
     if body["quant_algo"]:
         out["quant_algo"] = body["quant_algo"]
@@ -150,15 +163,15 @@ def check_exportable(cfg: ModelConfig, source: str, linears: list[str] | None = 
     q = cfg.quantization
     if q.quant_algo is not None and q.quant_algo not in ALGOS:
         raise UserError(
-            f"{source}: --format hf writes quant_algo {', '.join(ALGOS)} (methods fp8, w4a16_awq, w8a16), not "
-            f"{q.quant_algo}; use --format trtllm or one of those methods"
+            f"{source}: --format hf writes quant_algo {', '.join(ALGOS)} (methods fp8, w4a16_awq, w8a16, nvfp4, "
+            f"w4a8_awq), not {q.quant_algo}; use --format trtllm or one of those methods"
         )
     if q.kv_cache_quant_algo is not None and q.kv_cache_quant_algo not in KV_ALGOS:
         raise UserError(
             f"{source}: --format hf writes an FP8 KV cache or none, not {q.kv_cache_quant_algo} (ModelOpt's HF "
             "layout has no INT8 KV cache scales); use --kv-cache fp8, --kv-cache none or --format trtllm"
         )
-    if q.quant_algo == "W4A16_AWQ":
+    if q.quant_algo in INT4:
         spec, g = spec_of(cfg), q.group_size
         for prefix in linears or []:
             if spec.in_features(prefix) % g:
@@ -251,7 +264,12 @@ class _Writer:
             elif algo == "W8A16":
                 self.rows(f"{h}.weight", w, start, stop)
                 self.rows(f"{h}.weight_scale", f"{prefix}.{WEIGHT_SCALE}", start, stop)
-            else:  # W4A16_AWQ: two output rows a byte, the input whole groups
+            elif algo == "NVFP4":  # the same bytes: uint8 E2M1 pairs, E4M3 block scales, two float32 globals
+                self.rows(f"{h}.weight", w, start, stop)
+                self.rows(f"{h}.weight_scale", f"{prefix}.{WEIGHT_SCALE}", start, stop)
+                self.scalar(f"{h}.weight_scale_2", f"{prefix}.{WEIGHT_SCALE_2}", index)
+                self.scalar(f"{h}.input_scale", f"{prefix}.{ACTIVATION_SCALE}", index)
+            else:  # W4A16_AWQ, W4A8_AWQ: two output rows a byte, the input whole groups
                 in_dim, stored = self._in_features(prefix), self.tensor(w).shape[1]
                 if stored != in_dim or (start % 2 or stop % 2):
                     raise UserError(
@@ -264,6 +282,9 @@ class _Writer:
                 self.rows(f"{h}.weight_scale", f"{prefix}.{WEIGHT_SCALE}", start, stop)
                 if f"{prefix}.{PREQUANT}" in self.header:
                     self.copy(f"{h}.pre_quant_scale", f"{prefix}.{PREQUANT}")
+                if algo == "W4A8_AWQ":
+                    self.scalar(f"{h}.weight_scale_2", f"{prefix}.{WEIGHT_SCALE_2}", index)
+                    self.scalar(f"{h}.input_scale", f"{prefix}.{ACTIVATION_SCALE}", index)
 
     def _in_features(self, prefix: str) -> int:
         return self.spec.in_features(prefix)
