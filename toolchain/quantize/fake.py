@@ -98,8 +98,11 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
                 owned.update(qm.tensor_names(prefix))
                 continue
             if type(qm).fake_linear is not QuantMethod.fake_linear:  # the method may compute the linear itself
-                own = {n: raw[n] for n in qm.tensor_names(prefix) if n in raw}  # (None: the input scales below)
+                own = {n: raw[n] for n in qm.tensor_names(prefix) if n in raw}
                 computed[prefix] = (qm, Stored(prefix, own, linear.in_features, linear.group_size))
+                if qm.activation_kind is None and not qm.pre_quant_scale:  # no static input treatment: it always
+                    owned.update(qm.tensor_names(prefix))  # does (a None from FP8 without parts: the scales below)
+                    continue
             scales = qm.input_scales(linear)
             if scales.prequant is not None:
                 prequant[prefix] = scales.prequant
