@@ -268,3 +268,15 @@ def test_fp8_per_part_input_scales_are_kept(float_ckpt: Path, tmp_path: Path) ->
     assert_reads_exactly(agreement(want_max, got_max), weight_only=False)  # our fp8 path, unchanged
     assert requantized.mean > 1e3 * max(ours.mean, 1e-12), (ours.line(), requantized.line())
     assert agreement(want_max, got).mean > 1e3 * max(ours.mean, 1e-12)
+
+
+def test_per_part_gemm_takes_the_bias_after(tmp_path: Path) -> None:
+    """Qwen2's q/k/v biases: the exporter adds a fused linear's bias to the parts' concatenated output, as the
+    reference adds it to fake_linear's."""
+    from models import save_case
+
+    convert(save_case(tmp_path / "hf", "qwen2-biases"), tmp_path / "float")
+    ckpt = write_quantized(tmp_path / "float", tmp_path / "q", "FP8", fp8_parts([0.01, 0.02, 0.04]), 128)
+    assert "transformer.layers.0.attention.qkv.bias" in load_file(str(ckpt / "rank0.safetensors"))
+    got, want = _engine_and_reference(ckpt, tmp_path / "engine", list(range(3, 27)))
+    assert_reads_exactly(agreement(want, got), weight_only=False)
