@@ -17,7 +17,9 @@ Dequantization per format (ModelOpt 0.47): FP8 `quant_utils.from_quantized_weigh
 NVFP4 `NVFP4QTensor(shape, float32, weight).dequantize(scale=weight_scale, double_scale=weight_scale_2,
 block_sizes={-1: 16})`; INT4 AWQ / W4A8 AWQ: ModelOpt has no unpacker for `pack_int4_in_uint8`'s layout
 (INT4QTensor packs another way), so the codes are unpacked here from that function's definition and the unpacking
-is proven by packing them back with ModelOpt's own `pack_int4_in_uint8` (bytes identical) before use.
+is proven by packing them back with ModelOpt's own `pack_int4_in_uint8` (bytes identical) before use; W4A8's
+weight then takes its SequentialQuantizer's FP8 stage at weight_scale_2 (`FP8QTensor.quantize(w, scales=ws2)` and
+`dequantize`), as its fake-quant forward does (measured by slice C: quantize/methods/w4a8_awq.py).
 
 Run-time input treatment of the export (what our engine does, so the reference does it too; first principles,
 stated as such): `pre_quant_scale` multiplies the linear's input (a forward pre-hook); FP8 / W4A8 activations are
@@ -118,6 +120,7 @@ def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
 
 def dequantize(algo: str, t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     from modelopt.torch.export.quant_utils import from_quantized_weight, pack_int4_in_uint8
+    from modelopt.torch.quantization.qtensor.fp8_tensor import FP8QTensor
     from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
 
     w, s = t[f"{prefix}.weight"], t[f"{prefix}.weight_scale"]
@@ -134,6 +137,10 @@ def dequantize(algo: str, t: dict[str, torch.Tensor], prefix: str) -> torch.Tens
     deq = codes.float() * s.float().repeat_interleave(group, dim=1)
     again = pack_int4_in_uint8(deq, s.float(), group)  # ModelOpt's own packer reproduces the export's bytes
     assert torch.equal(again, w), f"{prefix}: the int4 unpacking is not pack_int4_in_uint8's inverse"
+    if algo == "W4A8_AWQ":  # the second stage of its SequentialQuantizer: E4M3 at weight_scale_2
+        ws2 = t[f"{prefix}.weight_scale_2"].float()
+        fp8, _ = FP8QTensor.quantize(deq, scales=ws2)
+        return fp8.dequantize(dtype=torch.float32, scale=ws2)
     return deq
 
 

@@ -124,3 +124,27 @@ def test_awq_refusals_name_the_setting_or_tensor(
     assert not (tmp_path / "ckpt").exists()
     with pytest.raises(UserError):
         convert(tmp_path / "awq", tmp_path / "ckpt")
+
+
+@pytest.mark.slow
+def test_engine_agrees_with_the_known_weights(tmp_path: Path) -> None:
+    """Issue 28's gate (weight-only): our engine vs a float32 transformers model holding w = (q − z) · s."""
+    from transformers import LlamaForCausalLM
+
+    from tests.prequant.harness import agreement, assert_reads_exactly, engine_logits, token_rows
+
+    float_dir = save_random_llama(tmp_path / "float")
+    known = write_awq(float_dir, tmp_path / "awq")
+    convert(tmp_path / "awq", tmp_path / "ckpt")
+    model = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    state = {}
+    for prefix, (q, z, s) in known.items():
+        w = (q - np.repeat(z, G, 0)).astype(np.float32) * np.repeat(s.astype(np.float32), G, 0)
+        state[f"{prefix}.weight"] = torch.from_numpy(np.ascontiguousarray(w.T))
+    model.load_state_dict(state, strict=False)
+    rows = token_rows(97, 4, 32, seed=3)
+    with torch.no_grad():
+        ref = np.stack([model(torch.tensor([r])).logits[0].numpy() for r in rows])
+    a = agreement(ref, engine_logits(tmp_path / "ckpt", tmp_path / "engine", rows))
+    print(f"\nAutoAWQ GEMM G{G} (4 rows x 32 tokens): {a.line()}")
+    assert_reads_exactly(a, weight_only=True)

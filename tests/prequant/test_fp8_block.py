@@ -149,3 +149,39 @@ def test_fused_parts_must_be_whole_blocks(tmp_path: Path) -> None:
     hf = write_block_fp8(save_random_llama(tmp_path / "float", **sizes), tmp_path / "fp8", 128)
     with pytest.raises(UserError, match=r"self_attn.q_proj.weight has 128 rows|k_proj.weight has 64 rows, not whole"):
         convert(hf, tmp_path / "ckpt")
+
+
+def act_quant(x: torch.Tensor, b: int) -> torch.Tensor:
+    """First principles (DeepSeek-V3's `act_quant`, TensorRT-LLM's FP8_BLOCK_SCALES inputs): each token's input in
+    groups of b channels quantized to E4M3 at amax / 448 and back, in float32."""
+    g = x.float().reshape(*x.shape[:-1], x.shape[-1] // b, b)
+    scale = (g.abs().amax(-1, keepdim=True) / 448.0).clamp(min=torch.finfo(torch.float32).tiny)
+    return ((g / scale).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale).reshape(x.shape)
+
+
+@pytest.mark.slow
+def test_engine_agrees_with_transformers_dequantized_model(tmp_path: Path) -> None:
+    """Issue 28's gate: our engine vs the checkpoint dequantized by transformers' op in a float32 transformers model
+    whose quantized linears quantize their input per token in 1 x 128 groups (forward pre-hooks: Q9(a))."""
+    from transformers import LlamaForCausalLM
+
+    from tests.prequant.harness import SHORT_ROW, agreement, assert_reads_exactly, engine_logits, token_rows
+
+    float_dir = save_random_llama(tmp_path / "float", **SIZES)
+    hf = write_block_fp8(float_dir, tmp_path / "fp8", 128)
+    convert(hf, tmp_path / "ckpt")
+    model = LlamaForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    t = load_file(str(hf / "model.safetensors"))
+    state = {}
+    for name in model.state_dict():
+        prefix = name.removesuffix(".weight")
+        if f"{prefix}.weight_scale_inv" in t:
+            state[name] = transformers_dequantize(t[name], t[f"{prefix}.weight_scale_inv"])
+            model.get_submodule(prefix).register_forward_pre_hook(lambda _m, a: (act_quant(a[0], 128), *a[1:]))
+    model.load_state_dict(state, strict=False)
+    rows = token_rows(97, 16, SHORT_ROW, seed=2)
+    with torch.no_grad():
+        ref = np.stack([model(torch.tensor([r])).logits[0].numpy() for r in rows])
+    a = agreement(ref, engine_logits(tmp_path / "ckpt", tmp_path / "engine", rows))
+    print(f"\nblock FP8 128x128 (16 rows x {SHORT_ROW} tokens): {a.line()}")
+    assert_reads_exactly(a, weight_only=False)
