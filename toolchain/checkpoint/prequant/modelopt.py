@@ -27,9 +27,11 @@ Every fact below is ModelOpt 0.47's own code (modelopt/torch/export/, read in tr
 - KV cache: `k_proj.k_scale` / `v_proj.v_scale` = amax / maxbound (quant_utils.py `postprocess_state_dict`,
   `_KV_CACHE_REPLACEMENTS`); TensorRT-LLM keeps one scale per layer, max(k, v) (checkpoint/trtllm.py
   `kv_cache_scale`), and so do we.
-- 0.47 folds AWQ's pre_quant_scale into the preceding norm where it can (`requantize_resmooth_fused_llm_layers`),
-  so q/k/v and gate/up usually carry none; a linear that still has one (o_proj) keeps it as its
-  prequant_scaling_factor.
+- KV scales use maxbound 448 (`kv_cache_max_bound` in unified_export_hf.py `_export_transformers_checkpoint`),
+  not clamped to >= 1 as the TensorRT-LLM export's `get_kv_cache_scaling_factor` clamps them.
+- 0.47 resmooths AWQ's q/k/v and gate/up to one pre_quant_scale and folds it into the preceding norm
+  (unified_export_hf.py `requantize_resmooth_fused_llm_layers`), so those carry none; a linear that still has one
+  (o_proj) keeps it as its prequant_scaling_factor.
 
 Fused q/k/v (our attention.qkv) keep per-projection scales (decision D4): where the parts' per-tensor scales
 differ (0.47's FP8 export does not unify q/k/v weight scales), PREFIX.parts and one scale per part are written,
