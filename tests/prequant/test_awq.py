@@ -148,3 +148,27 @@ def test_engine_agrees_with_the_known_weights(tmp_path: Path) -> None:
     a = agreement(ref, engine_logits(tmp_path / "ckpt", tmp_path / "engine", rows))
     print(f"\nAutoAWQ GEMM G{G} (4 rows x 32 tokens): {a.line()}")
     assert_reads_exactly(a, weight_only=True)
+
+
+def test_dequantize_writes_the_float_weights(tmp_path: Path, cli: Any) -> None:
+    """`convert --dequantize`: the float detour when asked — w = (q − z) · s as float weights, nothing quantized."""
+    float_dir = save_random_llama(tmp_path / "float")
+    known = write_awq(float_dir, tmp_path / "awq")
+    r = cli("convert", tmp_path / "awq", "-o", tmp_path / "ckpt", "--dequantize")
+    assert r.exit_code == 0, r.output
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["quantization"]["quant_algo"] is None
+    ours = load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
+    assert not [n for n in ours if "scaling_factor" in n or "zero_point" in n]
+    for layer in range(config["num_hidden_layers"]):
+        for dst, parts in FUSED.items():
+            want = []
+            for p in parts:
+                q, z, s = known[f"model.layers.{layer}.{p}"]
+                w = (q - np.repeat(z, G, 0)).astype(np.float32) * np.repeat(s.astype(np.float32), G, 0)
+                want.append(torch.from_numpy(w.T))
+            assert torch.equal(ours[f"transformer.layers.{layer}.{dst}.weight"], torch.cat(want)), dst
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert manifest["details"]["quantization_source"]["dequantized"] is True
+    r = cli("convert", float_dir, "-o", tmp_path / "ckpt2", "--dequantize")
+    assert r.exit_code == 1 and "--dequantize, but the checkpoint is not pre-quantized" in r.output

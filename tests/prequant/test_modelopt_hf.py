@@ -175,3 +175,15 @@ def test_engine_agrees_with_modelopts_dequantized_export(
     else:
         print(f"{algo}: ModelOpt's NVFP4 fake-quant forward needs CUDA (tensor_quant.py asserts it): not compared")
     assert_reads_exactly(gate, weight_only=QUANT_ALGO[algo] == "W4A16_AWQ")
+
+
+def test_dequantized_int4_awq_engine_agrees_too(exported: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    """`convert --dequantize` of the INT4 AWQ export: float weights with o_proj's pre_quant_scale folded into their
+    columns; a float engine of them agrees with ModelOpt's dequantized export as the quantized one does."""
+    e = exported["int4_awq"]
+    convert(e["export"], tmp_path / "float", dequantize=True)
+    assert json.loads((tmp_path / "float" / "config.json").read_text())["quantization"]["quant_algo"] is None
+    rows = json.loads(e["rows.json"].read_text())
+    gate = agreement(np.load(e["ref.npy"]), engine_logits(tmp_path / "float", tmp_path / "engine", rows))
+    print(f"\nint4_awq --dequantize: vs ModelOpt's dequantized export: {gate.line()}")
+    assert_reads_exactly(gate, weight_only=True)
