@@ -47,7 +47,9 @@ def _float(prefix: str, group: list[Made], cfg: ModelConfig, shape: Shape) -> Ca
         q = cfg.quantization
         assert q.quant_algo is not None
         s = Stored(prefix, tensors, shape[1], q.group_size)
-        w = by_algo(q.quant_algo).dequantize(s).float()
+        method = by_algo(q.quant_algo)
+        assert method is not None, f"{q.quant_algo}: the format chose a quant_algo no method reads"
+        w = method.dequantize(s).float()
         pre = s.get(PREQUANT)
         if pre is not None:
             w = w * pre.float()
