@@ -187,3 +187,19 @@ def test_dequantized_int4_awq_engine_agrees_too(exported: dict[str, dict[str, Pa
     gate = agreement(np.load(e["ref.npy"]), engine_logits(tmp_path / "float", tmp_path / "engine", rows))
     print(f"\nint4_awq --dequantize: vs ModelOpt's dequantized export: {gate.line()}")
     assert_reads_exactly(gate, weight_only=True)
+
+
+@pytest.mark.parametrize("algo", ["fp8_kv", "int4_awq", "nvfp4"])
+def test_config_json_alone_reads_the_same(algo: str, exported: dict[str, dict[str, Path]], tmp_path: Path) -> None:
+    """Without hf_quant_config.json, config.json's quantization_config (convert_hf_quant_config_format's form:
+    quant_algo, config_groups, ignore, kv_cache_scheme) gives the same checkpoint."""
+    import shutil
+
+    e = exported[algo]
+    alone = tmp_path / "alone"
+    shutil.copytree(e["export"], alone)
+    (alone / "hf_quant_config.json").unlink()
+    assert json.loads((alone / "config.json").read_text())["quantization_config"]["quant_method"] == "modelopt"
+    convert(alone, tmp_path / "ckpt")
+    for name in ("rank0.safetensors", "config.json"):
+        assert (tmp_path / "ckpt" / name).read_bytes() == (e["ckpt"] / name).read_bytes(), name

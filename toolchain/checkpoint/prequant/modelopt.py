@@ -123,6 +123,10 @@ class ModelOptHF:
                 f"{', '.join(KV_ALGOS)} or none"
             )
         self.spec = ALGOS[self.algo]
+        if self.spec["int4"] and self.group_size is None:
+            # 0.47's config.json form of W4A16_AWQ has no config_groups (convert_hf_quant_config_format), so no
+            # group size: the tensors say it (weight [out/2, in], weight_scale [out, in/G]); _shape checks the rest
+            self.group_size = _group_from_tensors(ckpt)
         if self.spec["int4"] and (not isinstance(self.group_size, int) or self.group_size <= 0):
             raise UserError(f"{source}: {self.algo} needs a positive integer group_size, got {self.group_size!r}")
         experts = sorted(n for n in ckpt.tensors if ".experts." in n and n.endswith(".weight_scale"))
@@ -321,6 +325,14 @@ class ModelOptHF:
         parts = np.asarray(rows, dtype=np.int64)
         made.append(Made(f"{out}.parts", (len(rows),), "int64", (), lambda _r: parts.copy()))
         return made
+
+
+def _group_from_tensors(ckpt: HFCheckpoint) -> int | None:
+    for name, info in sorted(ckpt.tensors.items()):
+        w = ckpt.tensors.get(name.removesuffix("_scale")) if name.endswith(".weight_scale") else None
+        if w is not None and len(w.shape) == 2 and len(info.shape) == 2 and info.shape[1]:
+            return int(w.shape[1] // info.shape[1]) if w.shape[1] % info.shape[1] == 0 else None
+    return None
 
 
 def _kv_from_scheme(kv: Any, source: str) -> str | None:
