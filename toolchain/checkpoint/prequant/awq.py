@@ -10,7 +10,7 @@ word slot k (bits 4k..4k+3) holding column AWQ_ORDER[k] = (0, 2, 4, 6, 1, 3, 5, 
 PREFIX.qzeros int32 [in/G, out/8] packed the same way, PREFIX.scales float16 [in/G, out]; w[o, i] =
 (q[i, o] − z[i/G, o]) · s[i/G, o]. No act-order.
 
-AutoAWQ's kernels are CUDA-only, so no producer runs here: tests/prequant/test_awq.py writes checkpoints to this
+AutoAWQ's kernels are CUDA-only, so no producer runs here: tests/prequant/test_awq_gemm.py writes checkpoints to this
 layout and checks what we read against an unpacking written independently from AWQ_REVERSE_ORDER.
 """
 
