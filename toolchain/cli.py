@@ -178,6 +178,14 @@ def convert(
             help="Threads preparing tensors ahead; the tensors in flight stay within the largest one.",
         ),
     ] = 2,
+    dequantize: Annotated[
+        bool,
+        typer.Option(
+            "--dequantize",
+            help="Pre-quantized input (ModelOpt, compressed-tensors, GPTQ, AWQ, block FP8): write float weights "
+            "(each linear dequantized; activations and KV cache unquantized) instead of reading its quantization.",
+        ),
+    ] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a Hugging Face checkpoint into a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors)."""
@@ -194,6 +202,7 @@ def convert(
             pp=pp,
             workers=workers,
             moe_ep=moe_ep,
+            dequantize=dequantize,
         )
     _emit(r.to_json(), json_out, r.lines())
 

@@ -34,6 +34,7 @@ from toolchain import console
 from toolchain.atomic import atomic_dir
 from toolchain.checkpoint import mxfp4, prequant, registry
 from toolchain.checkpoint.hf import SAFETENSORS_INDEX, HFCheckpoint, TensorReader
+from toolchain.checkpoint.prequant.dequantized import dequantized
 from toolchain.checkpoint.safetensors_io import (
     FLOAT_CODES,
     NUMPY_DTYPES,
@@ -44,7 +45,7 @@ from toolchain.checkpoint.safetensors_io import (
 )
 from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
 from toolchain.checkpoint.spec import ExpertsFFN
-from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, rank_file, write_config
+from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, QuantConfig, rank_file, write_config
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
 
@@ -115,7 +116,7 @@ def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: d
 
 
 def plan_conversion(
-    ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1, moe_ep: int = 1
+    ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1, moe_ep: int = 1, dequantize: bool = False
 ) -> ConversionPlan:
     source = str(ckpt.root / "config.json")
     arch, family = registry.family_for(ckpt.config, source)
@@ -129,6 +130,8 @@ def plan_conversion(
     check_parallel(cfg, tp, pp, source, moe_ep)
     cfg = dataclasses.replace(cfg, mapping=Mapping.for_parallel(tp, pp, moe_ep), use_parallel_embedding=tp > 1)
     fmt = prequant.detect(ckpt)
+    if dequantize and fmt is None:
+        raise UserError(f"{source}: --dequantize, but the checkpoint is not pre-quantized; drop the flag")
     if fmt is not None:
         if (tp, pp, moe_ep) != (1, 1, 1):  # multi-rank engines come from unquantized checkpoints (issue 27, D1)
             raise UserError(
@@ -136,8 +139,12 @@ def plan_conversion(
                 f"pp={pp} moe_ep={moe_ep}); split engines come from float checkpoints"
             )
         cfg = dataclasses.replace(cfg, quantization=fmt.quantization())
+    shapes = family.source_shapes(cfg, available)
     rules, made = _prequantized(fmt, family.weight_table(cfg, available), cfg)
-    _check_sources(ckpt, arch, rules, family.source_shapes(cfg, available))
+    if dequantize:  # the float detour, when asked: each quantized linear's float weight, nothing quantized
+        made = dequantized(made, cfg, shapes)
+        cfg = dataclasses.replace(cfg, quantization=QuantConfig())
+    _check_sources(ckpt, arch, rules, shapes)
     used = {src for rule in rules for src in rule.srcs} | {src for m in made for src in m.srcs}
     leftovers = sorted(n for n in available - used if not any(p.fullmatch(n) for p in family.DROPPED))
     if leftovers:
@@ -154,7 +161,8 @@ def plan_conversion(
                 stage.append(OutputTensor(name, rule, _full_shape(ckpt, rule)))
         stage.extend(OutputTensor(m.name, Rule(m.name, m.srcs), m.shape, m) for m in made)  # tp = pp = 1 only
         stages.append(tuple(sorted(stage, key=lambda t: t.name)))
-    return ConversionPlan(arch, cfg, tuple(stages), fmt.source() if fmt else None)
+    source_record = {**fmt.source(), **({"dequantized": True} if dequantize else {})} if fmt else None
+    return ConversionPlan(arch, cfg, tuple(stages), source_record)
 
 
 def _prequantized(
@@ -479,12 +487,14 @@ def convert(
     workers: int = 1,
     record: StageRecord | None = None,
     moe_ep: int = 1,
+    dequantize: bool = False,
 ) -> ConvertResult:
-    """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI."""
+    """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI. `dequantize`: a
+    pre-quantized checkpoint becomes a float one (each quantized linear's weight as its method dequantizes it)."""
     if workers < 1:
         raise UserError(f"--workers must be at least 1 (got {workers})")
     ckpt = HFCheckpoint.open(model_dir, allow_pickle=allow_pickle)
-    plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep)
+    plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep, dequantize)
     record = record or StageRecord("convert")
     if not ckpt.has_tokenizer():
         msg = f"{model_dir}: no tokenizer (tokenizer.json / tokenizer.model); the engine will lack one"
