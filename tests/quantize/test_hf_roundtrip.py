@@ -10,6 +10,7 @@ needs the ModelOpt reader (checkpoint/prequant/modelopt.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -289,3 +290,24 @@ def test_what_modelopts_layout_cannot_hold_is_refused_before_quantizing(
     line = one_line_error(cli("quantize", tmp_path / "gpt2-ckpt", "-o", out, "--format", "hf", "--method", "w8a16"))
     assert "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line and "--format trtllm" in line, line
     assert not out.exists()
+
+
+@pytest.mark.parametrize("method", list(METHOD_CASES))
+def test_convert_reads_the_hf_export_back_bit_for_bit(
+    method: str, exports: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """What `quantize --format hf` writes, read back by our own convert (checkpoint/prequant/modelopt.py): the same
+    config (quantization included) and the same tensors, byte for byte."""
+    hf_dir, ours = exports[method]
+    convert(hf_dir, tmp_path / "back")
+    a, b = read_config(ours), read_config(tmp_path / "back")
+    assert a.quantization.quant_algo == b.quantization.quant_algo
+    assert a.quantization.kv_cache_quant_algo == b.quantization.kv_cache_quant_algo
+    assert dataclasses.replace(a, quantization=b.quantization) == b
+    want, got = load_file(str(ours / "rank0.safetensors")), load_file(str(tmp_path / "back" / "rank0.safetensors"))
+    assert want.keys() == got.keys()
+    for name in want:
+        same = want[name].dtype == got[name].dtype and torch.equal(
+            want[name].view(torch.uint8), got[name].view(torch.uint8)
+        )
+        assert same, name

@@ -59,6 +59,8 @@ ALGOS: dict[str, dict[str, Any]] = {
     "W4A16_AWQ": {"weight": "U8", "scale_2": False, "input": False, "int4": True},
     "W4A8_AWQ": {"weight": "U8", "scale_2": True, "input": True, "int4": True},
     "NVFP4": {"weight": "U8", "scale_2": True, "input": True, "int4": False},
+    # int8_wo: int8 [out, in] and one scale per output row (quant_utils.py get_weight_scaling_factor: per-channel)
+    "W8A16": {"weight": "I8", "scale_2": False, "input": False, "int4": False},
 }
 KV_ALGOS = ("FP8",)
 FLOAT_WEIGHTS = ("F64", "F32", "F16", "BF16")
@@ -241,6 +243,13 @@ class ModelOptHF:
             for n in scales:
                 self._shape(n, (1,))
             made.append(Made(f"{out}.weight", (sum(rows), in_packed), "float8_e4m3fn", tuple(weights), _rows(weights)))
+        elif algo == "W8A16":
+            rows = [s[0] for s in shapes]
+            for n, r in zip(scales, rows, strict=True):
+                self._shape(n, (r,))
+            made.append(Made(f"{out}.weight", (sum(rows), in_packed), "int8", tuple(weights), _rows(weights)))
+            made.append(Made(f"{out}.weights_scaling_factor", (sum(rows),), "float32", tuple(scales),
+                             _rows(scales, finite=True, cast=np.float32)))  # fmt: skip
         elif algo == "NVFP4":
             rows = [s[0] for s in shapes]
             blocks = in_packed * 2 // NVFP4_BLOCK
