@@ -217,6 +217,12 @@ class _Exporter:
     def linear(self, x: str, prefix: str, bias: bool = False) -> str:
         b, w = self.b, self.w
         if quantized(prefix, w):
+            method, linear = stored(self.method, self.cfg, self.spec, w, prefix)
+            y = method.export_gemm(b, linear, x)  # the whole product where one Gemm cannot say it (per-part scales)
+            if y is not None and not bias:
+                return y
+            if y is not None:
+                return b.op("Add", [y, b.float_const(f"{prefix}.bias", w[f"{prefix}.bias"])], f"{prefix}.out")
             x, weight = self._quantized(x, prefix)
         else:
             weight = b.float_const(f"{prefix}.weight", w[f"{prefix}.weight"])

@@ -97,11 +97,9 @@ def load_quantized(directory: Path, dtype: torch.dtype = torch.float32) -> Refer
                     expert_prequant[prefix] = pre
                 owned.update(qm.tensor_names(prefix))
                 continue
-            if type(qm).fake_linear is not QuantMethod.fake_linear:  # the method computes the linear itself
-                own = {n: raw[n] for n in qm.tensor_names(prefix) if n in raw}
+            if type(qm).fake_linear is not QuantMethod.fake_linear:  # the method may compute the linear itself
+                own = {n: raw[n] for n in qm.tensor_names(prefix) if n in raw}  # (None: the input scales below)
                 computed[prefix] = (qm, Stored(prefix, own, linear.in_features, linear.group_size))
-                owned.update(qm.tensor_names(prefix))
-                continue
             scales = qm.input_scales(linear)
             if scales.prequant is not None:
                 prequant[prefix] = scales.prequant
