@@ -139,7 +139,7 @@ def test_imported_dequantize_reads_the_documented_layouts() -> None:
         128,
     )
     want = torch.from_numpy(e2m1_decode(codes.numpy())) * 0.5 * 3.0
-    assert torch.equal(IMPORTED["nvfp4"].dequantize(s), want)
+    assert torch.equal(by_algo("NVFP4").dequantize(s), want)  # type: ignore[union-attr]
 
     q = torch.randint(0, 16, (out, inn), generator=g)
     z = torch.randint(0, 16, (out, inn // 8), generator=g)

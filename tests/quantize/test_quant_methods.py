@@ -28,6 +28,9 @@ from toolchain.quantize.methods.registry import METHODS, by_algo
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 from toolchain.recipe import QuantizeSection
 
+# The methods whose input is a static per-tensor treatment and whose weights take any width: the block-scaled ones
+# (nvfp4, mxfp8: dynamic per-block inputs, widths of whole blocks) and w4a8_awq have their own test files.
+STATIC = tuple(n for n in METHOD_NAMES if n not in ("nvfp4", "mxfp8", "w4a8_awq"))
 PREFIX = "transformer.layers.0.mlp.proj"
 OUT, IN, GROUP = 6, 40, 16  # IN is not a multiple of GROUP: int4 pads to 48 and the graph cuts back to 40
 
@@ -53,7 +56,7 @@ def _ctx() -> Context:
     return Context(group_size=GROUP, dtype=torch.float32, calib=calib)
 
 
-@pytest.mark.parametrize("name", METHOD_NAMES)
+@pytest.mark.parametrize("name", STATIC)
 def test_method_round_trips(name: str) -> None:
     qm, ctx, w = METHODS[name], _ctx(), _weight()
     prepared = _prepared(name, w)
@@ -115,7 +118,7 @@ def _run(b: _Builder, x: str, weight: str, value: torch.Tensor) -> Any:
     return session.run(None, {"x": value.numpy()})[0]
 
 
-@pytest.mark.parametrize("name", METHOD_NAMES)
+@pytest.mark.parametrize("name", STATIC)
 def test_engine_and_reference_read_the_input_alike(name: str) -> None:
     """The whole exported linear (input side and weight) computes what the reference does with the method's
     dequantized weight and input scales (FakeQuant), on the tensors a checkpoint stores."""

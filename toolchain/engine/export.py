@@ -61,11 +61,13 @@ from toolchain.errors import UserError
 from toolchain.parallel.mapping import RankMapping
 from toolchain.quantize import experts
 from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, Context, quantized
+from toolchain.quantize.methods.nvfp4 import TRT_DOMAIN
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
 from toolchain.reference.rope import attention_factor
 
 OPSET = 21  # int4 and blocked DequantizeLinear (block_size) arrived in opset 21
+OPSET_FP4, IR_FP4 = 23, 11  # FLOAT4E2M1 arrived in opset 23 / IR 11: only graphs holding FP4 use them
 EXTERNAL_DATA_BYTES = 2 * 1024**3 - 64 * 1024**2  # protobuf's 2 GiB limit, with room for the graph itself
 HIDDEN_STATES = "hidden_states"  # a non-last pipeline stage's graph output: what it sent to the next stage
 
@@ -622,11 +624,12 @@ class _Exporter:
         self.w.check_all_read(self.cfg, self.source)
         inputs = [self._io(name, spec) for name, spec in INPUTS.items()]
         graph = helper.make_graph(b.nodes, "trtbuild_engine", inputs, outputs, b.initializers, value_info=b.value_info)
+        fp4 = any(t.data_type == TensorProto.FLOAT4E2M1 for t in b.initializers)
+        opsets = [helper.make_opsetid("", OPSET_FP4 if fp4 else OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)]
+        if any(n.domain == TRT_DOMAIN for n in b.nodes):  # TensorRT's own ops (NVFP4 / MXFP8 inputs)
+            opsets.append(helper.make_opsetid(TRT_DOMAIN, 1))
         model = helper.make_model(
-            graph,
-            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(PLUGIN_DOMAIN, 1)],
-            ir_version=10,
-            producer_name="trtbuild",
+            graph, opset_imports=opsets, ir_version=IR_FP4 if fp4 else 10, producer_name="trtbuild"
         )
         return model
 

@@ -25,6 +25,7 @@ from toolchain.engine.api import BUILD_CONFIG, MODEL_NAME, EngineSpec, StepToken
 from toolchain.engine.collectives import COLLECTIVE_OPS, CollectiveAttrs, Communicator, LocalComm, run_collective
 from toolchain.engine.contract import PLUGIN_DOMAIN, Batch
 from toolchain.engine.ops import OP_ATTRS, OPS, AttentionAttrs, MoEAttrs
+from toolchain.engine.trt_ops import LOWERED_DOMAIN, LOWERED_OPS, lower_for_ort
 from toolchain.errors import UserError
 
 
@@ -43,6 +44,17 @@ class _Plugin:
     outputs: list[str]
     weights: dict[str, torch.Tensor]  # its initializer inputs, by name
     name: str = ""  # the node's name (a collective's errors say it)
+
+
+@dataclass
+class _Reference:
+    """A node the load-time lowering made of TensorRT's FP4 / MXFP8 ops (trt_ops.py), run by its reference."""
+
+    op: str
+    attrs: dict[str, Any]
+    inputs: list[str]
+    outputs: list[str]
+    weights: dict[str, torch.Tensor]
 
 
 def available_cores() -> int:
@@ -86,11 +98,15 @@ def _skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]]:
-    """Runs of standard nodes, each followed by the plugin node that ends it (None after the last run)."""
+    """Runs of standard nodes, each followed by the plugin node (or lowered TensorRT op: trt_ops.py) that ends it
+    (None after the last run)."""
     parts: list[tuple[list[onnx.NodeProto], onnx.NodeProto | None]] = []
     run: list[onnx.NodeProto] = []
     for node in model.graph.node:
-        if node.domain == PLUGIN_DOMAIN:
+        if node.domain == LOWERED_DOMAIN and node.op_type in LOWERED_OPS:
+            parts.append((run, node))
+            run = []
+        elif node.domain == PLUGIN_DOMAIN:
             if node.op_type not in OPS and node.op_type not in COLLECTIVE_OPS:
                 raise ValueError(f"no reference implementation for {node.domain}::{node.op_type}")
             parts.append((run, node))
@@ -101,7 +117,9 @@ def _split(model: onnx.ModelProto) -> list[tuple[list[onnx.NodeProto], onnx.Node
     return parts
 
 
-def _plugin_inputs(step: _Plugin, values: dict[str, np.ndarray], kv_cache: torch.Tensor) -> list[torch.Tensor]:
+def _plugin_inputs(
+    step: _Plugin | _Reference, values: dict[str, np.ndarray], kv_cache: torch.Tensor
+) -> list[torch.Tensor]:
     """A plugin node's inputs: the pool itself (never a copy: the op writes it in place), its weights, and the
     values computed so far (torch views of ONNX Runtime's arrays)."""
     inputs = []
@@ -132,6 +150,7 @@ class OrtEngine:
         if not model_path.is_file():
             raise UserError(f"{spec.engine_dir}: no {MODEL_NAME}; the engine directory is incomplete, rebuild it")
         model = onnx.load(str(model_path))  # external data (past 2 GiB) included
+        model = lower_for_ort(model, str(model_path))  # TensorRT's FP4 / MXFP8 forms made runnable (trt_ops.py)
         inferred = onnx.shape_inference.infer_shapes(_skeleton(model))
         types = {v.name: v for v in [*inferred.graph.value_info, *model.graph.input, *model.graph.output]}
         inits = {t.name: t for t in model.graph.initializer}
@@ -142,7 +161,7 @@ class OrtEngine:
         # one session per segment: idle thread pools must sleep, not spin, or they starve the next segment and
         # the reference ops between them (bench/engine.py on 2 cores: decode 13x, prefill 6x slower when they spin)
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        self.steps: list[_Segment | _Plugin] = []
+        self.steps: list[_Segment | _Plugin | _Reference] = []
         for index, (nodes, plugin) in enumerate(parts):
             later: set[str] = set(graph_outputs)
             for rest, after in parts[index + 1 :]:
@@ -174,7 +193,13 @@ class OrtEngine:
                     sub_model.SerializeToString(), options, providers=["CPUExecutionProvider"]
                 )
                 self.steps.append(_Segment(session, seg_inputs, seg_outputs))
-            if plugin is not None:
+            if plugin is not None and plugin.domain == LOWERED_DOMAIN:
+                attrs = {a.name: helper.get_attribute_value(a) for a in plugin.attribute}
+                weights = {
+                    i: torch.from_numpy(numpy_helper.to_array(inits[i]).copy()) for i in plugin.input if i in inits
+                }
+                self.steps.append(_Reference(plugin.op_type, attrs, list(plugin.input), list(plugin.output), weights))
+            elif plugin is not None:
                 attrs = {a.name: helper.get_attribute_value(a) for a in plugin.attribute}
                 attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
                 op = plugin.op_type
@@ -242,7 +267,9 @@ class OrtEngine:
                 results = step.session.run(step.outputs, {n: values[n] for n in step.inputs})  # type: ignore[attr-defined]
                 values.update(zip(step.outputs, results, strict=True))
                 continue
-            if isinstance(step.attrs, CollectiveAttrs):  # issue 27: run by this rank's communicator
+            if isinstance(step, _Reference):
+                out = LOWERED_OPS[step.op](step.attrs, *_plugin_inputs(step, values, kv_cache))
+            elif isinstance(step.attrs, CollectiveAttrs):  # issue 27: run by this rank's communicator
                 x = _plugin_inputs(step, values, kv_cache)[0]
                 out = run_collective(self.comm, step.op, step.attrs, x, step.name)
             else:

@@ -24,12 +24,12 @@ METHODS_INDEX: dict[str, Entry] = {
     "w4a16_awq": Entry("w4a16_awq:W4A16Awq", "int4 with AWQ scales"),
     "w8a8_sq": Entry("w8a8_sq:W8A8SQ", "SmoothQuant int8 weights and activations"),
     "fp8": Entry("fp8:FP8", "E4M3 weights and activations"),
+    "nvfp4": Entry("nvfp4:NVFP4", "FP4 E2M1 weights and activations, E4M3 scales per 16, a float32 global scale"),
+    "mxfp8": Entry("mxfp8:MXFP8", "E4M3 weights and activations, power-of-two (E8M0) scales per 32"),
 }
 # Methods a pre-quantized checkpoint's layout needs (checkpoint/prequant/) that `quantize --method` does not offer
 # (yet): looked up by quant_algo only. A method moves to METHODS_INDEX when `quantize` can make it.
 IMPORTED_INDEX: dict[str, Entry] = {
-    "nvfp4": Entry("nvfp4:NVFP4", "FP4 E2M1 weights and activations, E4M3 scales per 16, a float32 global scale"),
-    "mxfp8": Entry("mxfp8:MXFP8", "E4M3 weights and activations, power-of-two (E8M0) scales per 32"),
     "w4a8_awq": Entry("w4a8_awq:W4A8Awq", "int4 weights with AWQ scales, FP8 activations"),
     "fp8_pc_pt": Entry("fp8_pc_pt:FP8PerChannelPerToken", "E4M3 weights per channel, activations per token"),
     "fp8_dynamic": Entry("fp8_pc_pt:FP8Dynamic", "E4M3 weights per tensor, activations per tensor at run time"),
