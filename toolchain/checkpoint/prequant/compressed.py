@@ -274,21 +274,35 @@ class CompressedTensors:
                 f"{self.where}: {name} is {code}; compressed-tensors {self.format} writes {'/'.join(allowed)}"
             )
 
-    def _parts(self, prefix: str, rows: list[int]) -> list[Made]:
-        if len(rows) == 1:
-            return []
-        return [Made(f"{prefix}.{PARTS}", (len(rows),), "int64", (), lambda r: np.array(rows, dtype=np.int64))]
+    def _scalars(self, prefix: str, rows: list[int], scales: dict[str, tuple[list[str], bool]]) -> list[Made]:
+        """A fused linear's per-tensor scales, {our suffix: (each part's [1] tensor, inverted)}: one value each
+        where every part holds the same (llm-compressor fuses NVFP4's global scales over q/k/v, and q/k/v see one
+        input), else one per part with PREFIX.parts (D4: never requantized to the largest). 1/g in float64."""
+        with self.ckpt.reader() as r:
+            values = {k: [float(r.get(self._scalar(s))[0]) for s in srcs] for k, (srcs, _) in scales.items()}
+        split = len(rows) > 1 and any(len(set(v)) > 1 for v in values.values())
+        made = (
+            [Made(f"{prefix}.{PARTS}", (len(rows),), "int64", (), _const(np.array(rows, dtype=np.int64)))]
+            if split
+            else []
+        )
+        for suffix, (srcs, invert) in scales.items():
+            v = np.array(values[suffix] if split else values[suffix][:1], dtype=np.float64)
+            made.append(
+                Made(
+                    f"{prefix}.{suffix}",
+                    v.shape,
+                    "float32",
+                    tuple(srcs),
+                    _const((1.0 / v if invert else v).astype(np.float32)),
+                )
+            )
+        return made
 
-    def _per_part(self, prefix: str, suffix: str, srcs: list[str], invert: bool = False) -> Made:
-        """One float32 scalar a part ([parts]), from each part's [1] tensor (inverted: 1/g in float64)."""
-        for s in srcs:
-            self._shape(s, (1,))
-
-        def make(r: TensorReader) -> Array:
-            v = np.concatenate([r.get(s).astype(np.float64).reshape(1) for s in srcs])
-            return (1.0 / v if invert else v).astype(np.float32)
-
-        return Made(f"{prefix}.{suffix}", (len(srcs),), "float32", tuple(srcs), make)
+    def _scalar(self, name: str) -> str:
+        self._shape(name, (1,))
+        self._dtype(name, ("float32", "bfloat16", "float16"))
+        return name
 
     def _fp8(self, prefix: str, hf: list[str]) -> list[Made]:
         shapes = [self._shape(f"{p}.weight", ()) for p in hf]
@@ -307,10 +321,10 @@ class CompressedTensors:
         )
         scales = [f"{p}.weight_scale" for p in hf]
         if self.algo in ("FP8", "FP8_DYNAMIC"):
-            made = [weight, self._per_part(prefix, WEIGHT_SCALE, scales), *self._parts(prefix, rows)]
+            scalars = {WEIGHT_SCALE: (scales, False)}
             if self.algo == "FP8":
-                made.append(self._per_part(prefix, ACTIVATION_SCALE, [f"{p}.input_scale" for p in hf]))
-            return made
+                scalars[ACTIVATION_SCALE] = ([f"{p}.input_scale" for p in hf], False)
+            return [weight, *self._scalars(prefix, rows, scalars)]
         if self.algo == "FP8_PER_CHANNEL_PER_TOKEN":
             per_tensor = self.weights.get("strategy") == "tensor"
             for s, n in zip(scales, rows, strict=True):
@@ -473,10 +487,19 @@ class CompressedTensors:
                 tuple(f"{p}.weight_scale" for p in hf),
                 lambda r: np.concatenate([r.get(f"{p}.weight_scale") for p in hf]),
             ),
-            self._per_part(prefix, WEIGHT_SCALE_2, [f"{p}.weight_global_scale" for p in hf], invert=True),
-            self._per_part(prefix, ACTIVATION_SCALE, [f"{p}.input_global_scale" for p in hf], invert=True),
-            *self._parts(prefix, rows),
+            *self._scalars(
+                prefix,
+                rows,
+                {
+                    WEIGHT_SCALE_2: ([f"{p}.weight_global_scale" for p in hf], True),
+                    ACTIVATION_SCALE: ([f"{p}.input_global_scale" for p in hf], True),
+                },
+            ),
         ]
+
+
+def _const(value: Array) -> Callable[[TensorReader], Array]:
+    return lambda r: value
 
 
 def _kv_max(names: tuple[str, ...]) -> Callable[[TensorReader], Array]:
