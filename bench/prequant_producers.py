@@ -38,6 +38,19 @@ import numpy as np
 import torch
 
 CALIB_ROWS, CALIB_LEN = 16, 32
+FP8_TENSOR = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor"}
+# schemes without an llm-compressor preset, spelled out as compressed-tensors config groups (weights, inputs)
+SPELLED_OUT: dict[str, tuple[dict[str, Any], dict[str, Any] | None]] = {
+    # the preset W8A16 is int8 per group of 128
+    "W8A16_CHANNEL": ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, None),
+    # per-tensor FP8 weights, each input quantized at run time over the whole tensor
+    "FP8_DYNAMIC_TENSOR": (FP8_TENSOR, {**FP8_TENSOR, "dynamic": True}),
+    # the preset FP8_BLOCK's 128 x 128 blocks with 1 x 128 input groups, at 64 (the test model's k/v have 64 rows)
+    "FP8_BLOCK64": (
+        {**FP8_TENSOR, "strategy": "block", "block_structure": [64, 64]},
+        {**FP8_TENSOR, "strategy": "group", "group_size": 64, "dynamic": True},
+    ),
+}
 
 
 def calibration(vocab: int) -> list[list[int]]:
@@ -73,10 +86,13 @@ def llmcompressor(scheme: str, model_dir: Path, out: Path, rows: dict[str, list[
     ds = Dataset.from_dict({"input_ids": calib, "attention_mask": [[1] * CALIB_LEN] * CALIB_ROWS})
     if scheme in ("W4A16", "W4A16_ASYM"):
         recipe: Any = GPTQModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
-    elif scheme == "W8A16_CHANNEL":  # the preset W8A16 is int8 per group of 128: per channel is spelled out
-        weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+    elif scheme in SPELLED_OUT:
+        weights, inputs = SPELLED_OUT[scheme]
+        group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
+        recipe = QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])
+    elif scheme == "FP8_KV":  # static FP8 with an FP8 KV cache (per-tensor k_scale / v_scale per layer)
         recipe = QuantizationModifier(
-            config_groups={"group_0": {"targets": ["Linear"], "weights": weights}}, ignore=["lm_head"]
+            targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme={**FP8_TENSOR, "dynamic": False}
         )
     else:
         recipe = QuantizationModifier(targets="Linear", scheme=scheme, ignore=["lm_head"])
