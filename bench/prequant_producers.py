@@ -90,7 +90,7 @@ def llmcompressor(scheme: str, model_dir: Path, out: Path, rows: dict[str, list[
         weights, inputs = SPELLED_OUT[scheme]
         group = {"targets": ["Linear"], "weights": weights, "input_activations": inputs}
         recipe = QuantizationModifier(config_groups={"group_0": group}, ignore=["lm_head"])
-    elif scheme == "FP8_KV":  # static FP8 with an FP8 KV cache (per-tensor k_scale / v_scale per layer)
+    elif scheme in ("FP8_KV", "FP8_KV_SHARED"):  # static FP8 with an FP8 KV cache (k_scale / v_scale per layer)
         recipe = QuantizationModifier(
             targets="Linear", scheme="FP8", ignore=["lm_head"], kv_cache_scheme={**FP8_TENSOR, "dynamic": False}
         )
@@ -105,6 +105,8 @@ def llmcompressor(scheme: str, model_dir: Path, out: Path, rows: dict[str, list[
         output_dir=str(out / "ckpt"),
     )
     quantize_s = time.perf_counter() - t0
+    if scheme == "FP8_KV_SHARED":
+        share_kv_scales(out / "ckpt")
     t1 = time.perf_counter()
     ref, weights = ct_reference(out / "ckpt")
     save_weights(out / "dequant.safetensors", weights)
@@ -124,6 +126,20 @@ def llmcompressor(scheme: str, model_dir: Path, out: Path, rows: dict[str, list[
         "reference_s": reference_s,
         "input_qdq_effect": (quantized - plain).abs().max().item(),
     }
+
+
+def share_kv_scales(ckpt: Path) -> None:
+    """Edit the saved checkpoint (stated as such where used): each layer's k_scale and v_scale set to their max, the
+    one KV scale per layer our engine holds; the reference is then compressed-tensors' forward of that checkpoint."""
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in [n for n in tensors if n.endswith(".k_scale")]:
+        v = name.removesuffix(".k_scale") + ".v_scale"
+        shared = torch.maximum(tensors[name], tensors[v])
+        tensors[name], tensors[v] = shared, shared.clone()
+    save_file(tensors, str(path), metadata={"format": "pt"})
 
 
 def ct_reference(ckpt: Path) -> tuple[Any, dict[str, torch.Tensor]]:

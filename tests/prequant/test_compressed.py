@@ -203,6 +203,36 @@ def test_fp8_static_keeps_each_projections_input_scale(tmp_path: Path) -> None:
     assert raw["transformer.layers.0.mlp.fc.activation_scaling_factor"].shape == (1,)
 
 
+def test_fp8_kv_cache_scales_read_where_k_and_v_agree(tmp_path: Path) -> None:
+    fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    layer_scale = {0: (0.5, 0.5), 1: (0.25, 0.25)}
+
+    def make(prefix: str, w: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        codes = w.to(torch.float8_e4m3fn)
+        made = {
+            f"{prefix}.weight": codes,
+            f"{prefix}.weight_scale": torch.ones(1),
+            f"{prefix}.input_scale": torch.ones(1),
+        }
+        if prefix.endswith("q_proj"):  # one place a layer: its attention's k_scale / v_scale
+            k, v = layer_scale[int(prefix.split(".")[2])]
+            attn = prefix.removesuffix(".q_proj")
+            made |= {f"{attn}.k_scale": torch.tensor([k]), f"{attn}.v_scale": torch.tensor([v])}
+        return made, codes.float()
+
+    config = ct_config(fp8, dict(fp8), "float-quantized", kv_cache_scheme=dict(fp8))
+    write_ct(tmp_path / "hf", make, config)
+    convert(tmp_path / "hf", tmp_path / "out")
+    assert read_config(tmp_path / "out").quantization.kv_cache_quant_algo == "FP8"
+    raw = load_file(str(tmp_path / "out" / "rank0.safetensors"))
+    assert [raw[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].item() for i in (0, 1)] == [0.5, 0.25]
+
+    layer_scale[1] = (0.25, 0.3)
+    write_ct(tmp_path / "hf2", make, config)
+    with pytest.raises(UserError, match=r"layers.1.self_attn.k_scale 0.25 and .*v_scale 0.3 differ"):
+        convert(tmp_path / "hf2", tmp_path / "out2")
+
+
 # --- refusals by name ---
 
 
@@ -282,9 +312,12 @@ def test_partly_quantized_fused_linear_is_refused(tmp_path: Path) -> None:
 
 # --- llm-compressor on CPU: the producer's own checkpoints ---
 
-SCHEMES = {  # llm-compressor preset -> (our quant_algo, weight-only)
+SCHEMES = {  # llm-compressor preset (or bench/prequant_producers.py's spelled-out scheme) -> (quant_algo, weight-only)
     "FP8": ("FP8", False),
     "FP8_DYNAMIC": ("FP8_PER_CHANNEL_PER_TOKEN", False),
+    "FP8_DYNAMIC_TENSOR": ("FP8_DYNAMIC", False),
+    "FP8_BLOCK64": ("FP8_BLOCK_SCALES", False),
+    "FP8_KV_SHARED": ("FP8", False),  # its k_scale / v_scale set to their max after oneshot: our one KV scale
     "W4A16": ("W4A16_GPTQ", True),
     "W4A16_ASYM": ("W4A16_GPTQ", True),
     "W8A16_CHANNEL": ("W8A16", True),
@@ -321,6 +354,13 @@ def test_llmcompressor_weights_read_bit_for_bit(llmcompressor: Any, scheme: str)
     assert len(got) == 2 * 5
     for prefix, w in got.items():
         assert torch.equal(w, hf_weight(made.dequant, prefix)), prefix
+
+
+@pytest.mark.slow
+def test_llmcompressor_fp8_kv_with_its_own_k_and_v_scales_is_refused(producer_root: Path) -> None:
+    made = produce(producer_root, "llmcompressor", "FP8_KV")
+    with pytest.raises(UserError, match=r"k_scale .* and .*v_scale .* differ; our FP8 KV cache holds one scale"):
+        convert(made.ckpt, producer_root / "ours-FP8_KV")
 
 
 @pytest.mark.slow
