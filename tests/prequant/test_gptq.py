@@ -10,6 +10,7 @@ the producer's model by the issue's gates."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,12 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import save_random_llama
 from tests.prequant.harness import agreement, assert_reads_exactly, engine_logits
-from tests.prequant.producers import ROWS, Produced, produce
+from tests.prequant.producers import ROWS, Produced, produce, producer_python
 from tests.prequant.test_compressed import dequantized, hf_weight
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.prequant import detect
-from toolchain.checkpoint.prequant.codecs import pack_int32
+from toolchain.checkpoint.prequant.codecs import AWQ_ORDER, pack_int32
 from toolchain.checkpoint.prequant.gptq import V1_ZERO_FIX
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
@@ -191,3 +192,30 @@ def test_gptqmodel_engine_agrees_with_the_producer(gptqmodel: Any, variant: str,
         a = agreement(made.logits[name], engine_logits(out, tmp_path / f"engine{name}", rows))
         print(f"gptqmodel {variant} rows {len(rows)}x{name}: {a.line()}")
         assert_reads_exactly(a, weight_only=True)
+
+
+AWQ_CHECK = """
+import sys, numpy as np, torch
+from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+d = sys.argv[1]
+w = dequantize_gemm(*(torch.from_numpy(np.load(f"{d}/{n}.npy")) for n in ("qweight", "qzeros", "scales")), 4, 32)
+np.save(f"{d}/dequant.npy", w.float().numpy())
+"""
+
+
+@pytest.mark.slow
+def test_awq_gemm_packing_is_what_gptqmodels_awq_reader_unpacks(tmp_path: Path) -> None:
+    """codecs.AWQ_ORDER (the AutoAWQ GEMM layout the AWQ reader and its fixture use) against a real AWQ reader:
+    gptqmodel's `dequantize_gemm` (quantization/awq/utils/packing_utils.py) of words packed with it gives
+    (q − z) · s for the known codes, zeros and scales (float32 scales: every product exact)."""
+    python = producer_python("gptqmodel")
+    rng = np.random.default_rng(2)
+    q, z = rng.integers(0, 16, (64, 96)), rng.integers(0, 16, (2, 96))
+    s = rng.uniform(0.01, 0.1, (2, 96)).astype(np.float32)
+    np.save(tmp_path / "qweight.npy", pack_int32(q, 4, 1, AWQ_ORDER))
+    np.save(tmp_path / "qzeros.npy", pack_int32(z, 4, 1, AWQ_ORDER))
+    np.save(tmp_path / "scales.npy", s)
+    done = subprocess.run([str(python), "-c", AWQ_CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    want = (q - np.repeat(z, 32, axis=0)).astype(np.float32) * np.repeat(s, 32, axis=0)
+    assert np.array_equal(np.load(tmp_path / "dequant.npy"), want)
