@@ -76,8 +76,7 @@ def _scheme_key(group: dict[str, Any]) -> str:
     parts = {
         k: {a: v for a, v in (_args(group, k) or {}).items() if a in keep} for k in ("weights", "input_activations")
     }
-    parts["output_activations"] = group.get("output_activations")  # type: ignore[assignment]
-    return json.dumps([parts, group.get("format")], sort_keys=True)
+    return json.dumps([parts, group.get("output_activations"), group.get("format")], sort_keys=True)
 
 
 class CompressedTensors:
@@ -106,8 +105,7 @@ class CompressedTensors:
         if q.get("quantization_status", "compressed") != "compressed":
             raise UserError(
                 f"{source}: compressed-tensors quantization_status {q.get('quantization_status')!r}: only compressed "
-                "checkpoints are "
-                "read (save it with llm-compressor's save_compressed=True)"
+                "checkpoints are read (save it with llm-compressor's save_compressed=True)"
             )
         if self.group.get("output_activations"):
             raise UserError(
