@@ -1,6 +1,7 @@
-"""The producer venvs (llm-compressor, gptqmodel) seen from the tests: where they are, and one producer run of
-bench/prequant_producers.py as a subprocess — the library never enters trtbuild's process. A test needing a venv
-that is absent skips naming it and the command that makes it (`make setup-peers`)."""
+"""The producer venvs (llm-compressor, gptqmodel) seen from the tests: where they are, one producer run of
+bench/prequant_producers.py as a subprocess — the library never enters trtbuild's process — and our converted
+weights dequantized beside the producer's. A test needing a venv that is absent skips naming it and the command
+that makes it (`make setup-peers`)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import STORIES, save_random_llama
 from safetensors.torch import load_file
 
-from tests.conftest import STORIES, save_random_llama
 from tests.prequant.harness import token_rows
+from toolchain.checkpoint.trtllm import read_config
+from toolchain.quantize.methods.base import Stored, quantized_prefix
+from toolchain.quantize.methods.registry import by_algo
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "bench" / "prequant_producers.py"
@@ -80,3 +84,34 @@ def produce(root: Path, producer: str, variant: str) -> Produced:
         json.loads((out / "meta.json").read_text()),
         wall,
     )
+
+
+# our fused linears -> the HF projections they hold, in row order (checkpoint/llama.py LAYER_TABLE)
+PARTS_OF = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.gate_proj",),
+    "mlp.gate": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
+
+
+def dequantized(out: Path) -> dict[str, torch.Tensor]:
+    """Every quantized linear of converted checkpoint `out` as its method dequantizes it, by our prefix."""
+    cfg = read_config(out)
+    method = by_algo(cfg.quantization.quant_algo, str(out))
+    assert method is not None
+    raw = load_file(str(out / "rank0.safetensors"))
+    got = {}
+    for name in raw:
+        prefix = quantized_prefix(name)
+        if prefix is not None:
+            own = {k: v for k, v in raw.items() if k.startswith(f"{prefix}.")}
+            got[prefix] = method.dequantize(Stored(prefix, own, 0, cfg.quantization.group_size))
+    return got
+
+
+def hf_weight(weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """The HF projections behind our linear `prefix` (transformer.layers.N.KIND), stacked as we fuse them."""
+    _, _, layer, kind = prefix.split(".", 3)
+    return torch.cat([weights[f"model.layers.{layer}.{p}.weight"] for p in PARTS_OF[kind]])

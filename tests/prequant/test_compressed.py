@@ -17,50 +17,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from conftest import save_random_llama
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import save_random_llama
 from tests.prequant.harness import SHORT_ROW, agreement, assert_reads_exactly, engine_logits
-from tests.prequant.producers import ROWS, Produced, produce
+from tests.prequant.producers import ROWS, Produced, dequantized, hf_weight, produce
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.prequant import detect
 from toolchain.checkpoint.prequant.codecs import pack_int32
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.errors import UserError
-from toolchain.quantize.methods.base import INPUT_PERM, PARTS, Stored, quantized_prefix
-from toolchain.quantize.methods.registry import by_algo
-
-# our fused linears -> the HF projections they hold, in row order (checkpoint/llama.py LAYER_TABLE)
-PARTS_OF = {
-    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attention.dense": ("self_attn.o_proj",),
-    "mlp.fc": ("mlp.gate_proj",),
-    "mlp.gate": ("mlp.up_proj",),
-    "mlp.proj": ("mlp.down_proj",),
-}
-
-
-def dequantized(out: Path) -> dict[str, torch.Tensor]:
-    """Every quantized linear of converted checkpoint `out` as its method dequantizes it, by our prefix."""
-    cfg = read_config(out)
-    method = by_algo(cfg.quantization.quant_algo, str(out))
-    assert method is not None
-    raw = load_file(str(out / "rank0.safetensors"))
-    got = {}
-    for name in raw:
-        prefix = quantized_prefix(name)
-        if prefix is not None:
-            own = {k: v for k, v in raw.items() if k.startswith(f"{prefix}.")}
-            got[prefix] = method.dequantize(Stored(prefix, own, 0, cfg.quantization.group_size))
-    return got
-
-
-def hf_weight(weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """The HF projections behind our linear `prefix` (transformer.layers.N.KIND), stacked as we fuse them."""
-    _, _, layer, kind = prefix.split(".", 3)
-    return torch.cat([weights[f"model.layers.{layer}.{p}.weight"] for p in PARTS_OF[kind]])
-
+from toolchain.quantize.methods.base import INPUT_PERM, PARTS
 
 # --- checkpoints written here to compressed-tensors' layout ---
 

@@ -17,12 +17,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from conftest import save_random_llama
 from safetensors.torch import load_file, save_file
 
-from tests.conftest import save_random_llama
 from tests.prequant.harness import agreement, assert_reads_exactly, engine_logits
-from tests.prequant.producers import ROWS, Produced, produce, producer_python
-from tests.prequant.test_compressed import dequantized, hf_weight
+from tests.prequant.producers import ROWS, Produced, dequantized, hf_weight, produce, producer_python
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.prequant import detect
