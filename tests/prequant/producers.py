@@ -73,6 +73,7 @@ def produce(root: Path, producer: str, variant: str) -> Produced:
             capture_output=True,
             text=True,
             timeout=900,
+            cwd=root,  # gptqmodel writes its logs/ under the working directory
             env={k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")},
         )
         wall = time.perf_counter() - t0

@@ -214,7 +214,8 @@ def test_awq_gemm_packing_is_what_gptqmodels_awq_reader_unpacks(tmp_path: Path) 
     np.save(tmp_path / "qweight.npy", pack_int32(q, 4, 1, AWQ_ORDER))
     np.save(tmp_path / "qzeros.npy", pack_int32(z, 4, 1, AWQ_ORDER))
     np.save(tmp_path / "scales.npy", s)
-    done = subprocess.run([str(python), "-c", AWQ_CHECK, str(tmp_path)], capture_output=True, text=True, timeout=300)
+    run = [str(python), "-c", AWQ_CHECK, str(tmp_path)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     want = (q - np.repeat(z, 32, axis=0)).astype(np.float32) * np.repeat(s, 32, axis=0)
     assert np.array_equal(np.load(tmp_path / "dequant.npy"), want)
