@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 TORCH  ?= torch==2.13.0
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup test test-fast lint demo bench gpu-check clean
+.PHONY: setup setup-peers test test-fast lint demo bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,31 @@ $(STAMP): pyproject.toml
 	sed -i -e 's/\([(,] *\)in: /\1in_: /g' -e 's/channel_axis: int) -> IScaleLayer/channel_axis: int = ...) -> IScaleLayer/' \
 		$(VENV)/typings/tensorrt_bindings/tensorrt.pyi
 	touch $(STAMP)
+
+# The producers of pre-quantized checkpoints that tests/prequant runs as subprocesses (skipped, naming this target,
+# where a venv is absent), each in its own venv: llm-compressor 0.14 (compressed-tensors 0.19) and gptqmodel 7.7.
+# Both on the same CPU torch as trtbuild's: llm-compressor accepts it (torch >=2.10,<=2.14.0); gptqmodel declares
+# torch>=2.14.1, for which PyPI has only the CUDA build (~4.5 GB with its nvidia wheels), so it is installed without
+# its dependencies over that torch and its other requirements, listed here from its metadata (its CPU path runs
+# there: tests/prequant/test_gptq.py). Measured on a 2-core machine: ~45 s and ~290 s, 1.5 GB each.
+PEERS ?= $(HOME)/.cache/trtbuild-peers
+GPTQMODEL_DEPS := "numpy>=2.4.6" "safetensors>=0.8.0" "transformers>=5.20.2" "threadpoolctl>=3.7.0" "packaging>=26.3" \
+	"device-smi>=0.5.7" "protobuf>=7.36.2" "pillow>=13.0.0" "requests>=2.34.2" "pypcre>=0.6.4" "tokenicer>=0.0.14" \
+	"logbar>=0.4.15" jinja2 "datasets>=5.1.0" "pyarrow>=26.0.0" "dill>=0.4.1" "defuser>=0.0.28" "accelerate>=1.15.0" \
+	"filelock>=4.2.4"
+
+setup-peers: $(PEERS)/venvs/llmcompressor/.installed $(PEERS)/venvs/gptqmodel/.installed
+
+$(PEERS)/venvs/llmcompressor/.installed:
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/pip install --quiet "$(TORCH)" "llmcompressor==0.14.0.1" "compressed-tensors==0.19.0"
+	touch $@
+
+$(PEERS)/venvs/gptqmodel/.installed:
+	$(PYTHON) -m venv $(@D)
+	$(@D)/bin/pip install --quiet "$(TORCH)" $(GPTQMODEL_DEPS)
+	$(@D)/bin/pip install --quiet --no-deps "gptqmodel==7.7.0"
+	touch $@
 
 # pytest exits 5 when it collected no tests: that is a failure, not a pass.
 test: $(STAMP)
