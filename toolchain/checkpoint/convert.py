@@ -71,6 +71,7 @@ class ConversionPlan:
     config: ModelConfig
     stages: tuple[tuple[OutputTensor, ...], ...]  # per pipeline stage, sorted by name
     quantization_source: dict[str, Any] | None = None  # a pre-quantized checkpoint's producer (prequant.Format)
+    warnings: tuple[str, ...] = ()  # what a pre-quantized checkpoint's reading does other than exactly
 
     @property
     def num_tensors(self) -> int:
@@ -162,7 +163,7 @@ def plan_conversion(
         stage.extend(OutputTensor(m.name, Rule(m.name, m.srcs), m.shape, m) for m in made)  # tp = pp = 1 only
         stages.append(tuple(sorted(stage, key=lambda t: t.name)))
     source_record = {**fmt.source(), **({"dequantized": True} if dequantize else {})} if fmt else None
-    return ConversionPlan(arch, cfg, tuple(stages), source_record)
+    return ConversionPlan(arch, cfg, tuple(stages), source_record, tuple(fmt.warnings if fmt else ()))
 
 
 def _prequantized(
@@ -496,6 +497,9 @@ def convert(
     ckpt = HFCheckpoint.open(model_dir, allow_pickle=allow_pickle)
     plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep, dequantize)
     record = record or StageRecord("convert")
+    for msg in plan.warnings:
+        console.warn(msg)
+        record.warnings.append(msg)
     if not ckpt.has_tokenizer():
         msg = f"{model_dir}: no tokenizer (tokenizer.json / tokenizer.model); the engine will lack one"
         console.warn(msg)

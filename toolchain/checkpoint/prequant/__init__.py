@@ -62,6 +62,7 @@ class Format(Protocol):
     """A pre-quantized checkpoint as a producer wrote it."""
 
     name: str  # the producer's format: "modelopt", "compressed-tensors", ...
+    warnings: list[str]  # what the conversion reads other than exactly (convert prints them, the manifest keeps them)
 
     def quantization(self) -> QuantConfig:
         """config.json's `quantization` of the converted checkpoint: the method's quant_algo, KV cache, group size,
@@ -127,3 +128,19 @@ def hf_prefix(src: str) -> str:
 
 def file_of(ckpt: HFCheckpoint, name: str) -> Path:
     return ckpt.files.get(name, ckpt.root)
+
+
+def kv_merge_warning(where: str, scales: list[tuple[int, float, float]]) -> str | None:
+    """The line convert prints where some layers' k_scale and v_scale differ (layer, k, v each): our KV cache holds
+    one FP8 scale per layer, so it takes max(k, v) as TensorRT-LLM does (trtllm.kv_cache_scale), which re-rounds the
+    other's values: what TensorRT-LLM runs, not bit for bit the producer's model (docs/conversion.md gives the cost
+    measured). None where every layer's two agree."""
+    differ = [(layer, k, v) for layer, k, v in scales if k != v]
+    if not differ:
+        return None
+    ratio = max(max(k, v) / min(k, v) for _, k, v in differ)
+    return (
+        f"{where}: k_scale and v_scale differ in {len(differ)} of {len(scales)} layers (up to {ratio:.3g}x); "
+        "the FP8 KV cache takes their max per layer, as TensorRT-LLM does, so KV values are re-rounded: "
+        "not the producer's model bit for bit"
+    )

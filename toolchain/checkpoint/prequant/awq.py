@@ -37,6 +37,7 @@ class AwqGemm:
     name = "awq"
 
     def __init__(self, ckpt: HFCheckpoint, q: dict[str, Any], source: str) -> None:
+        self.warnings: list[str] = []
         self.ckpt, self.file, self.settings = ckpt, source, q
         version = str(q.get("version", "gemm")).lower()
         if version != "gemm":

@@ -33,7 +33,7 @@ What each scheme becomes (docs/conversion.md, "compressed-tensors and GPTQ"):
   TensorRT-LLM's direction, methods/nvfp4.py): stored as 1/g computed in float64 and rounded to float32.
 - `kv_cache_scheme` FP8 (8-bit float, per tensor, static): `self_attn.k_scale` and `v_scale` [1] per layer, applied
   to the keys after RoPE and to the values (modeling/kvcache.py `QuantizedKVCache.forward`). Our KV cache has one
-  scale per layer: read where the two are equal, refused where they differ (`extras`).
+  scale per layer: the two where they are equal, else their max as TensorRT-LLM takes it, with a warning (`extras`).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint, TensorReader
-from toolchain.checkpoint.prequant import Array, Made, hf_prefix
+from toolchain.checkpoint.prequant import Array, Made, hf_prefix, kv_merge_warning
 from toolchain.checkpoint.prequant.codecs import int4_rows_pack, unpack_int32
 from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig, QuantConfig
@@ -85,6 +85,7 @@ class CompressedTensors:
     name = "compressed-tensors"
 
     def __init__(self, ckpt: HFCheckpoint, q: dict[str, Any], source: str) -> None:
+        self.warnings: list[str] = []
         self.ckpt, self.q, self.where = ckpt, q, source
         groups = q.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
@@ -241,13 +242,14 @@ class CompressedTensors:
         return self._nvfp4(prefix, hf)
 
     def extras(self, cfg: ModelConfig) -> list[Made]:
-        """FP8 KV cache: our one scale per layer, read where a layer's k_scale and v_scale are equal. Where they
-        differ we refuse: one scale for both is their max (TensorRT-LLM's merge), which re-rounds every value of
-        the other and is not the producer's model (measured on llm-compressor's FP8 KV checkpoint of the test
+        """FP8 KV cache: our one scale per layer, exactly the producer's where a layer's k_scale and v_scale are
+        equal. Where they differ it is their max, TensorRT-LLM's merge, with a warning: that re-rounds every value
+        of the other and is not the producer's model (measured on llm-compressor's FP8 KV checkpoint of the test
         Llama: KLD p95 6e-2 against compressed-tensors' own forward; 0 when its two scales are set to their max)."""
         if self.kv is None:
             return []
         made: list[Made] = []
+        pairs: list[tuple[int, float, float]] = []
         with self.ckpt.reader() as r:
             for layer in range(cfg.num_hidden_layers):
                 names = tuple(f"model.layers.{layer}.self_attn.{n}_scale" for n in ("k", "v"))
@@ -257,21 +259,12 @@ class CompressedTensors:
                         f"{self.where}: kv_cache_scheme is FP8 but {missing[0]} is missing; re-export the checkpoint"
                     )
                 k, v = (float(r.get(self._scalar(n))[0]) for n in names)
-                if k != v:
-                    raise UserError(
-                        f"{self.where}: {names[0]} {k:.6g} and {names[1]} {v:.6g} differ; our FP8 KV cache holds "
-                        "one scale per layer for both (their max would re-round every value of the other): not yet "
-                        "read. Convert a checkpoint quantized without kv_cache_scheme"
-                    )
-                made.append(
-                    Made(
-                        f"transformer.layers.{layer}.{KV_SCALE}",
-                        (1,),
-                        "float32",
-                        names,
-                        _const(np.array([k], dtype=np.float32)),
-                    )
-                )
+                pairs.append((layer, k, v))
+                merged = np.array([max(k, v)], dtype=np.float32)
+                made.append(Made(f"transformer.layers.{layer}.{KV_SCALE}", (1,), "float32", names, _const(merged)))
+        warning = kv_merge_warning(self.where, pairs)
+        if warning:
+            self.warnings.append(warning)
         return made
 
     # --- per format ---

@@ -42,6 +42,7 @@ class BlockFP8:
     name = "fp8-block"
 
     def __init__(self, ckpt: HFCheckpoint, q: dict[str, Any], source: str) -> None:
+        self.warnings: list[str] = []
         self.ckpt, self.file, self.settings = ckpt, source, q
         block = q.get("weight_block_size")
         if block is None:

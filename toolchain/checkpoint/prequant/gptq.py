@@ -44,6 +44,7 @@ class Gptq:
     name = "gptq"
 
     def __init__(self, ckpt: HFCheckpoint, q: dict[str, Any], source: str) -> None:
+        self.warnings: list[str] = []
         self.ckpt, self.q, self.where = ckpt, q, source
         bits = q.get("bits")
         if bits != BITS:

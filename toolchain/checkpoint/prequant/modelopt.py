@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint, TensorReader
-from toolchain.checkpoint.prequant import Array, Made, file_of, hf_prefix
+from toolchain.checkpoint.prequant import Array, Made, file_of, hf_prefix, kv_merge_warning
 from toolchain.checkpoint.safetensors_io import TORCH_NAMES
 from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig, QuantConfig
@@ -89,6 +89,7 @@ class ModelOptHF:
     name = "modelopt"
 
     def __init__(self, ckpt: HFCheckpoint, q: dict[str, Any], source: str) -> None:
+        self.warnings: list[str] = []
         self.ckpt, self.file = ckpt, source
         if isinstance(q.get("quantization"), dict):  # hf_quant_config.json
             body: dict[str, Any] = q["quantization"]
@@ -181,15 +182,22 @@ class ModelOptHF:
         if self.kv_algo is None:
             return []
         made = []
-        for layer, (_, k, v) in self.qkv:
-            names = (f"{k}.k_scale", f"{v}.v_scale")
-            for n in names:
-                if n not in self.ckpt.tensors:
-                    raise UserError(
-                        f"{self.ckpt.root}: {n} missing; kv_cache_quant_algo {self.kv_algo} needs k_scale and v_scale "
-                        "for every layer. Re-export the checkpoint"
-                    )
-            made.append(Made(f"{layer}.kv_cache_scaling_factor", (1,), "float32", names, _kv_max(names)))
+        pairs: list[tuple[int, float, float]] = []
+        with TensorReader(self.ckpt) as reader:  # read now: a warning names layers whose two scales differ
+            for i, (layer, (_, k, v)) in enumerate(self.qkv):
+                names = (f"{k}.k_scale", f"{v}.v_scale")
+                for n in names:
+                    if n not in self.ckpt.tensors:
+                        raise UserError(
+                            f"{self.ckpt.root}: {n} missing; kv_cache_quant_algo {self.kv_algo} needs k_scale and "
+                            "v_scale for every layer. Re-export the checkpoint"
+                        )
+                k_scale, v_scale = (float(_scalar(n)(reader)[0]) for n in names)
+                pairs.append((i, k_scale, v_scale))
+                made.append(Made(f"{layer}.kv_cache_scaling_factor", (1,), "float32", names, _kv_max(names)))
+        warning = kv_merge_warning(self.file, pairs)
+        if warning:
+            self.warnings.append(warning)
         return made
 
     # -- the layouts ---------------------------------------------------------------------------------------------
