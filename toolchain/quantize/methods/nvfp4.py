@@ -79,7 +79,10 @@ FP4_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
 
 def check_blocks(prefix: str, in_dim: int, block: int, name: str) -> None:
     if in_dim % block:
-        raise UserError(f"{prefix}: {in_dim} input channels; {name} needs a multiple of {block}")
+        raise UserError(
+            f"{prefix}: {in_dim} input channels; {name} needs a multiple of {block}: keep it float with "
+            f"--exclude {'.'.join(prefix.split('.')[-2:])} (or choose another method)"
+        )
 
 
 def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
