@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import save_random_llama
+from conftest import WIKI, save_random_llama
 from onnx import TensorProto
 from safetensors.torch import save_file
 
@@ -33,6 +33,7 @@ from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, Stored
 from toolchain.quantize.methods.nvfp4 import global_scale, nvfp4_qdq
 from toolchain.quantize.methods.registry import METHODS
+from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
 PREFIX = "transformer.layers.0.mlp.proj"
 
@@ -270,3 +271,31 @@ def test_per_part_scales_export_one_gemm_a_part(method: str) -> None:
     one["p.activation_scaling_factor"] = acts.max().expand(3).clone()  # the max: what the parts avoid
     shared = qm.fake_linear(Stored("p", one, 64, 32), x, qm.dequantize(s))
     assert shared is not None and not torch.allclose(shared, want, atol=1e-3)
+
+
+@pytest.mark.slow  # three calibrations of stories260K: ~10 s
+def test_quantize_makes_each_new_method(stories: Path, tmp_path: Path) -> None:
+    """`quantize --method nvfp4 | mxfp8 | w4a8_awq` end to end on stories260K (short calibration): the layouts the
+    modules state, config.json's quant_algo, a reference forward; a width that is not whole blocks is refused
+    naming the --exclude that keeps it float."""
+    convert(stories, tmp_path / "ckpt")
+    calib = {"calib_data": WIKI / "valid.txt", "calib_samples": 2, "calib_seq_len": 32}
+    with pytest.raises(UserError, match=r"mlp\.proj: 172 input channels; NVFP4 needs a multiple of 16: keep it float"):
+        quantize_checkpoint(tmp_path / "ckpt", tmp_path / "refused", QuantizeOptions("nvfp4", **calib))  # type: ignore[arg-type]
+    layouts = {
+        "nvfp4": {"weight": torch.uint8, "weights_scaling_factor": torch.float8_e4m3fn},
+        "mxfp8": {"weight": torch.float8_e4m3fn, "weights_scaling_factor": torch.uint8},
+        "w4a8_awq": {"weight": torch.int8, "weights_scaling_factor_2": torch.float32},
+    }
+    for method, dtypes in layouts.items():
+        exclude = ("lm_head", "mlp.proj") if method != "w4a8_awq" else ("lm_head",)
+        opts = QuantizeOptions(method, exclude=exclude, **calib)  # type: ignore[arg-type]
+        quantize_checkpoint(tmp_path / "ckpt", tmp_path / method, opts)
+        assert read_config(tmp_path / method).quantization.quant_algo == METHODS[method].quant_algo
+        tensors = load_rank(tmp_path / method, 0)
+        for suffix, dtype in dtypes.items():
+            assert tensors[f"transformer.layers.0.attention.qkv.{suffix}"].dtype == dtype
+        assert ("transformer.layers.0.mlp.proj.weights_scaling_factor" in tensors) == (method == "w4a8_awq")
+        with torch.no_grad():
+            logits = load_quantized(tmp_path / method).forward(torch.tensor([[1, 5, 9, 30]]))
+        assert torch.isfinite(logits).all()
