@@ -24,8 +24,9 @@ Activations are quantized at run time by the same arithmetic over the stored inp
 `NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=input_scale)` computes. ModelOpt's own activation
 fake-quant is a CUDA kernel (tensor_quant.py `_dynamic_block_quantize_impl` refuses CPU amax;
 kernels/quantization/gemm/fp4_kernel_hopper.py `fp4_fake_quant_block`): it saturates the block scale at 448 without
-the 2^-9 floor and replaces a scale under 1e-5 by 1 — the two differ only on blocks whose amax is below 2^-9 · 6 ·
-global, i.e. ~1/700000 of the input's calibrated maximum, whose values both quantize to (almost) zero.
+the 2^-9 floor, and a block whose absolute scale (E4M3 scale · global) is under 1e-5 is quantized at scale 1 — the
+two differ only on blocks whose amax is below 2^-9 · 6 · global (the input's calibrated amax / 229376) or whose
+absolute scale is under 1e-5, blocks whose values both quantize to (almost) zero.
 
 The graph is TensorRT's (ModelOpt's ONNX export: torch/quantization/export_onnx.py `export_fp4`,
 onnx/export/nvfp4_exporter.py): the weight a FLOAT4E2M1 initializer [out, in] (ONNX packs 4-bit elements two a byte,
