@@ -42,6 +42,7 @@ MODELOPT_CONFIGS = {
     "w4a16_awq": "INT4_AWQ_CFG",
     "w8a8_sq": "INT8_SMOOTHQUANT_CFG",
     "fp8": "FP8_DEFAULT_CFG",
+    "w4a8_awq": "W4A8_AWQ_BETA_CFG",  # int4 per 128 (awq_lite), FP8 per tensor stage of the weight, FP8 inputs
 }
 
 

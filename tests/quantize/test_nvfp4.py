@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 import torch
-from conftest import save_random_llama
+from conftest import WIKI, save_random_llama
 from onnx import TensorProto
 from safetensors.torch import save_file
 
@@ -22,13 +22,18 @@ from tests.models import build, run_alone
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.spec import spec_of
 from toolchain.checkpoint.trtllm import load_rank, rank_file, read_config, write_config
-from toolchain.engine.export import OPSET_FP4
+from toolchain.engine.export import OPSET_FP4, _Builder
+from toolchain.engine.ort_backend import _split
+from toolchain.engine.trt_ops import LOWERED_OPS, lower_for_ort
 from toolchain.errors import UserError
+from toolchain.quantize.awq import AwqChoice
 from toolchain.quantize.calibrate import Calibration
+from toolchain.quantize.core import pack_int4, unpack_int4
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.methods.base import Context, Layer, Stored
 from toolchain.quantize.methods.nvfp4 import global_scale, nvfp4_qdq
 from toolchain.quantize.methods.registry import METHODS
+from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
 
 PREFIX = "transformer.layers.0.mlp.proj"
 
@@ -171,3 +176,126 @@ def test_graph_is_tensorrts_form_at_opset_23(engine: tuple[Path, Path, np.ndarra
     for n in quant_nodes:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert attrs == {"axis": -1, "block_size": 16, "scale_type": TensorProto.FLOAT8E4M3FN}
+
+
+def run_lowered(b: _Builder, y: str, x: torch.Tensor, out_dim: int) -> np.ndarray:
+    """Graph `b` (input "x" [rows, in], output `y` [rows, out_dim]) as the CPU engine runs it: lowered
+    (trt_ops.py), cut at the lowered nodes, segments on ONNX Runtime and the lowered nodes by their references."""
+    import onnxruntime as ort
+
+    graph = onnx.helper.make_graph(
+        b.nodes,
+        "linear",
+        [onnx.helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+        [onnx.helper.make_tensor_value_info(y, TensorProto.FLOAT, [x.shape[0], out_dim])],
+        b.initializers,
+    )
+    opsets = [onnx.helper.make_opsetid("", OPSET_FP4), onnx.helper.make_opsetid("trt", 1)]
+    model = onnx.helper.make_model(graph, opset_imports=opsets, ir_version=11)
+    onnx.checker.check_model(model, full_check=True)  # the un-lowered graph is valid ONNX
+    lowered = lower_for_ort(model)
+    inferred = onnx.shape_inference.infer_shapes(lowered)
+    types = {v.name: v for v in [*inferred.graph.value_info, *lowered.graph.input, *lowered.graph.output]}
+    inits = {t.name: t for t in lowered.graph.initializer}
+    values: dict[str, np.ndarray] = {"x": x.numpy()}
+    parts = _split(lowered)
+    for index, (nodes, ref) in enumerate(parts):
+        later = {y} | {
+            i
+            for rest, after in parts[index + 1 :]
+            for i in [*(i for n in rest for i in n.input), *(after.input if after else [])]
+        }
+        if ref is not None:
+            later |= set(ref.input)
+        if nodes:
+            made = {o for n in nodes for o in n.output}
+            needed = sorted({i for n in nodes for i in n.input if i and i not in inits} - made)
+            outs = [o for n in nodes for o in n.output if o in later]
+            sub = onnx.helper.make_graph(
+                nodes,
+                "segment",
+                [types[i] for i in needed],
+                [types[o] for o in outs],
+                [inits[i] for i in sorted({i for n in nodes for i in n.input if i in inits})],
+            )
+            m = onnx.helper.make_model(sub, opset_imports=[onnx.helper.make_opsetid("", OPSET_FP4)], ir_version=11)
+            session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+            values.update(zip(outs, session.run(outs, {i: values[i] for i in needed}), strict=True))
+        if ref is not None:
+            args = [
+                torch.from_numpy(onnx.numpy_helper.to_array(inits[i]).copy())
+                if i in inits
+                else torch.from_numpy(values[i])
+                for i in ref.input
+            ]
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in ref.attribute}
+            values[ref.output[0]] = LOWERED_OPS[ref.op_type](attrs, *args).numpy()
+    return values[y]
+
+
+def parts_linear(method: str, parts: list[int], inn: int = 64) -> Stored:
+    """A fused linear of `parts` projections quantized each by itself (its own global / FP8 scales), as a
+    pre-quantized checkpoint's reader stores them: the per-part scales stacked, PREFIX.parts the row counts."""
+    g = torch.Generator().manual_seed(3)
+    qm, made, calib = METHODS[method], [], Calibration()
+    for i, rows in enumerate(parts):
+        w = torch.randn(rows, inn, generator=g) * (i + 1)  # each part its own size: the scales differ
+        calib.input_amax["p"] = 2.0 * (i + 1)
+        calib.input_channel_amax["p"] = torch.full((inn,), 2.0 * (i + 1), dtype=torch.float64)
+        choice = AwqChoice(torch.ones(inn, dtype=torch.float64), torch.ones(rows, inn // 32), 0.5, 1.0)
+        made.append(qm.quantize("p", w, Context(group_size=32, calib=calib), choice if "awq" in method else None))
+    stored = {n: torch.cat([m[n] for m in made]) for n in made[0] if not n.endswith("prequant_scaling_factor")}
+    if method == "w4a8_awq":  # one input, one 1/s for all parts
+        stored["p.weight"] = pack_int4(torch.cat([unpack_int4(m["p.weight"]) for m in made]))
+        stored["p.prequant_scaling_factor"] = torch.linspace(0.5, 2.0, inn)
+    stored["p.parts"] = torch.tensor(parts)
+    return Stored("p", stored, inn, 32)
+
+
+@pytest.mark.parametrize("method", ["nvfp4", "w4a8_awq"])
+def test_per_part_scales_export_one_gemm_a_part(method: str) -> None:
+    """A fused linear whose parts keep their own scales (issue 28: requantizing to the largest costs KLD): the graph
+    (export_gemm) computes what the reference (fake_linear) does, and both differ from one shared scale."""
+    qm, s = METHODS[method], parts_linear(method, [32, 16, 16])
+    acts = s["activation_scaling_factor"]
+    assert len(set(acts.tolist())) == 3 and len(set(s["weights_scaling_factor_2"].tolist())) == 3
+    b = _Builder(torch.float32)
+    y = qm.export_gemm(b, s, "x")
+    assert y is not None and qm.export_gemm(b, Stored("q", {}, 64, 32), "x") is None
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)) * 3
+    want = qm.fake_linear(s, x, qm.dequantize(s))
+    assert want is not None
+    got = run_lowered(b, y, x, 64)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-5, atol=1e-5)  # float32 sums in another order
+    one = dict(s.tensors)
+    one["p.activation_scaling_factor"] = acts.max().expand(3).clone()  # the max: what the parts avoid
+    shared = qm.fake_linear(Stored("p", one, 64, 32), x, qm.dequantize(s))
+    assert shared is not None and not torch.allclose(shared, want, atol=1e-3)
+
+
+@pytest.mark.slow  # three calibrations of stories260K: ~10 s
+def test_quantize_makes_each_new_method(stories: Path, tmp_path: Path) -> None:
+    """`quantize --method nvfp4 | mxfp8 | w4a8_awq` end to end on stories260K (short calibration): the layouts the
+    modules state, config.json's quant_algo, a reference forward; a width that is not whole blocks is refused
+    naming the --exclude that keeps it float."""
+    convert(stories, tmp_path / "ckpt")
+    calib = {"calib_data": WIKI / "valid.txt", "calib_samples": 2, "calib_seq_len": 32}
+    with pytest.raises(UserError, match=r"mlp\.proj: 172 input channels; NVFP4 needs a multiple of 16: keep it float"):
+        quantize_checkpoint(tmp_path / "ckpt", tmp_path / "refused", QuantizeOptions("nvfp4", **calib))  # type: ignore[arg-type]
+    layouts = {
+        "nvfp4": {"weight": torch.uint8, "weights_scaling_factor": torch.float8_e4m3fn},
+        "mxfp8": {"weight": torch.float8_e4m3fn, "weights_scaling_factor": torch.uint8},
+        "w4a8_awq": {"weight": torch.int8, "weights_scaling_factor_2": torch.float32},
+    }
+    for method, dtypes in layouts.items():
+        exclude = ("lm_head", "mlp.proj") if method != "w4a8_awq" else ("lm_head",)
+        opts = QuantizeOptions(method, exclude=exclude, **calib)  # type: ignore[arg-type]
+        quantize_checkpoint(tmp_path / "ckpt", tmp_path / method, opts)
+        assert read_config(tmp_path / method).quantization.quant_algo == METHODS[method].quant_algo
+        tensors = load_rank(tmp_path / method, 0)
+        for suffix, dtype in dtypes.items():
+            assert tensors[f"transformer.layers.0.attention.qkv.{suffix}"].dtype == dtype
+        assert ("transformer.layers.0.mlp.proj.weights_scaling_factor" in tensors) == (method == "w4a8_awq")
+        with torch.no_grad():
+            logits = load_quantized(tmp_path / method).forward(torch.tensor([[1, 5, 9, 30]]))
+        assert torch.isfinite(logits).all()

@@ -5,13 +5,15 @@ PREFIX.weight float8_e4m3fn [out, in]; PREFIX.weights_scaling_factor uint8 [out,
 input is quantized at run time the same way (per 32, a power-of-two scale each); nothing static is stored for it.
 MXFP8 means these per-32 block scales, never per-tensor FP8 relabelled.
 
-The block scale: X = 2^ceil(log2(amax / 448)), the exponent clamped to [−127, 127] (an all-zero block: 2^−127),
-then codes = E4M3(clamp(x / X, ±448)), round to nearest even. That is NVIDIA's rule — ModelOpt 0.47
+The block scale: X = 2^ceil(log2(amax / 448)), the exponent clamped to [−127, 127] (an all-zero block: 2^−127), then
+codes = E4M3(clamp(x / X, ±448)), round to nearest even. That is NVIDIA's rule — ModelOpt 0.47
 modelopt/torch/quantization/qtensor/mxfp8_tensor.py `MXFP8QTensor._compute_e8m0_exponent` and `quantize_with_scale`,
-cuDNN's block-scale quantize ("scale = quantize_round_up(amax / vmax)") — which TensorRT's MXFP8 DynamicQuantize
-runs. OCP MX v1.0 §6.3's reference conversion differs: X = 2^(floor(log2 amax) − 8) (8: E4M3's largest exponent),
-values past 448 saturating; it uses one more binade of the E4M3 range on blocks whose amax / 2^floor(log2 amax) is
-at most 1.75 and clips the rest. docs/quality.md compares the two on stories260K.
+cuDNN's block-scale quantize ("scale = quantize_round_up(amax / vmax)"); TensorRT's DynamicQuantize page does not
+state its rounding (assumed the same, unverified: nothing here runs TensorRT). OCP MX v1.0 §6.3's reference
+conversion differs: X = 2^(floor(log2 amax) − 8) (8: E4M3's largest exponent), values past 448 saturating. The two
+agree unless a block's amax / 2^floor(log2 amax) exceeds 1.75 (448 = 1.75 · 2^8): there OCP's scale saturates the
+block's largest values at 448, NVIDIA's takes the next power of two. docs/quality.md compares the two on
+stories260K.
 
 The graph is TensorRT's (ModelOpt's ONNX export, torch/quantization/export_onnx.py `export_mxfp8`, and
 onnx/export/mxfp8_exporter.py): the weight `trt::TRT_MXFP8DequantizeLinear(E4M3 weight, uint8 E8M0 scales;

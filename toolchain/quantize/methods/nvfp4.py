@@ -24,8 +24,9 @@ Activations are quantized at run time by the same arithmetic over the stored inp
 `NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=input_scale)` computes. ModelOpt's own activation
 fake-quant is a CUDA kernel (tensor_quant.py `_dynamic_block_quantize_impl` refuses CPU amax;
 kernels/quantization/gemm/fp4_kernel_hopper.py `fp4_fake_quant_block`): it saturates the block scale at 448 without
-the 2^-9 floor and replaces a scale under 1e-5 by 1 — the two differ only on blocks whose amax is below 2^-9 · 6 ·
-global, i.e. ~1/700000 of the input's calibrated maximum, whose values both quantize to (almost) zero.
+the 2^-9 floor, and a block whose absolute scale (E4M3 scale · global) is under 1e-5 is quantized at scale 1 — the
+two differ only on blocks whose amax is below 2^-9 · 6 · global (the input's calibrated amax / 229376) or whose
+absolute scale is under 1e-5, blocks whose values both quantize to (almost) zero.
 
 The graph is TensorRT's (ModelOpt's ONNX export: torch/quantization/export_onnx.py `export_fp4`,
 onnx/export/nvfp4_exporter.py): the weight a FLOAT4E2M1 initializer [out, in] (ONNX packs 4-bit elements two a byte,
@@ -79,7 +80,10 @@ FP4_QUANTIZE_OP = "TRT_FP4DynamicQuantize"
 
 def check_blocks(prefix: str, in_dim: int, block: int, name: str) -> None:
     if in_dim % block:
-        raise UserError(f"{prefix}: {in_dim} input channels; {name} needs a multiple of {block}")
+        raise UserError(
+            f"{prefix}: {in_dim} input channels; {name} needs a multiple of {block}: keep it float with "
+            f"--exclude {'.'.join(prefix.split('.')[-2:])} (or choose another method)"
+        )
 
 
 def global_scale(amax: torch.Tensor | float) -> torch.Tensor:
@@ -194,11 +198,31 @@ class NVFP4(QuantMethod):
 
     def export(self, b: GraphBuilder, s: Stored, x: str) -> tuple[str, str]:
         if s.get(PARTS) is not None:
-            raise UserError(
-                f"{s.name(PARTS)}: per-part NVFP4 scales need the per-part GEMM export (export_gemm); this build "
-                "does not have it: convert the checkpoint with one scale per fused linear"
-            )
+            raise UserError(f"{s.name(PARTS)}: per-part NVFP4 scales are exported by export_gemm, one GEMM a part")
         return self.export_input(b, s, x), self.export_weight(b, s)
+
+    def export_gemm(self, b: GraphBuilder, s: Stored, x: str) -> str | None:
+        """With parts (a fused GEMM whose projections kept their own global scales): per part, the input's FP4 chain
+        over the part's input global, a Gemm with the part's rows (their own FP4 initializer, block scales and
+        global), the parts' outputs concatenated. Without parts: None (`export`)."""
+        parts = s.get(PARTS)
+        if parts is None:
+            return None
+        p, acts, globals_ = s.prefix, s[ACTIVATION_SCALE].float().reshape(-1), s[WEIGHT_SCALE_2].float().reshape(-1)
+        codes, blocks = s[WEIGHT], s[WEIGHT_SCALE]
+        outs, start = [], 0
+        for i, rows in enumerate(parts.long().tolist()):
+            g_in = b.float_const(f"{s.name(ACTIVATION_SCALE)}.{i}", acts[i].reshape(()))
+            xi = fp4_input(b, x, g_in, f"{p}.part{i}")
+            w = b.add_initializer(fp4_proto(f"{s.name(WEIGHT)}.{i}", codes[start : start + rows]))
+            block = b.const(f"{s.name(WEIGHT_SCALE)}.{i}", blocks[start : start + rows])
+            g = b.const(f"{s.name(WEIGHT_SCALE_2)}.{i}", globals_[i].reshape(()))
+            scale = b.op("DequantizeLinear", [block, g], f"{p}.part{i}.weight_scale_dq")
+            dq = b.op("DequantizeLinear", [w, scale], f"{p}.part{i}.weight_dq", axis=-1, block_size=BLOCK)
+            wi = b.op("CastLike", [dq, xi], f"{p}.part{i}.weight_cast")
+            outs.append(b.op("Gemm", [xi, wi], f"{p}.part{i}.out", transB=1))
+            start += rows
+        return b.op("Concat", outs, f"{p}.parts", axis=-1)
 
     def export_input(self, b: GraphBuilder, s: Stored, x: str) -> str:
         """TensorRT's dynamic FP4 input: TRT_FP4DynamicQuantize over the input global scale, then the two

@@ -23,10 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from toolchain.checkpoint.safetensors_io import TensorInfo
 from toolchain.errors import UserError
-from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, unpack_int4
+from toolchain.quantize.core import FP8_E4M3_MAX, dequantize_groupwise, fake_quant, int4_proto, unpack_int4
 from toolchain.quantize.methods.base import (
     ACTIVATION_SCALE,
     PARTS,
@@ -36,6 +37,7 @@ from toolchain.quantize.methods.base import (
     WEIGHT_SCALE_2,
     Context,
     GraphBuilder,
+    InputScales,
     Stored,
     info,
     per_row,
@@ -78,12 +80,25 @@ class W4A8Awq(W4A16Awq):
         int4 = super().dequantize(s)
         return fp8_stage(int4, per_row(s, s[WEIGHT_SCALE_2], int4.shape[0]))
 
+    def input_scales(self, s: Stored) -> InputScales:
+        """Without parts, the prequant and the static FP8 scale; with parts there is no one scale (`fake_linear`)."""
+        scales = super().input_scales(s)
+        return InputScales(scales.prequant, None) if s.get(PARTS) is not None else scales
+
+    def fake_linear(self, s: Stored, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        """x · 1/s, FP8 fake-quantized at the activation scale (each part's own where the linear has parts: those
+        rows with it), times the dequantized weight."""
+        pre, acts = s[PREQUANT], s[ACTIVATION_SCALE].float().reshape(-1)
+        x = x * pre.to(x.dtype)
+        parts = s.get(PARTS)
+        if parts is None:
+            return F.linear(fake_quant(x, acts[0].item(), "FP8"), weight)
+        rows = torch.split(weight, parts.long().tolist())
+        return torch.cat([F.linear(fake_quant(x, a.item(), "FP8"), w) for a, w in zip(acts, rows, strict=True)], -1)
+
     def export(self, b: GraphBuilder, s: Stored, x: str) -> tuple[str, str]:
         if s.get(PARTS) is not None:
-            raise UserError(
-                f"{s.name(PARTS)}: per-part W4A8 scales need the per-part GEMM export (export_gemm); this build "
-                "does not have it: convert the checkpoint with one scale per fused linear"
-            )
+            raise UserError(f"{s.name(PARTS)}: per-part W4A8 scales are exported by export_gemm, one GEMM a part")
         return self.export_input(b, s, x), self.export_weight(b, s)
 
     def export_weight(self, b: GraphBuilder, s: Stored) -> str:
@@ -91,3 +106,30 @@ class W4A8Awq(W4A16Awq):
         ws2 = b.const(s.name(WEIGHT_SCALE_2), s[WEIGHT_SCALE_2].float().reshape(()))
         q = b.op("QuantizeLinear", [int4, ws2, zero_point(b, "FP8")], f"{s.prefix}.weight_fp8")
         return b.op("DequantizeLinear", [q, ws2], f"{s.prefix}.weight_fp8_dq")
+
+    def export_gemm(self, b: GraphBuilder, s: Stored, x: str) -> str | None:
+        """With parts: x · 1/s once, then per part the input's FP8 Q/DQ at the part's scale and a Gemm with the
+        part's rows (int4 DequantizeLinear, its FP8 stage at the part's weights_scaling_factor_2), concatenated.
+        Without parts: None (`export`)."""
+        parts = s.get(PARTS)
+        if parts is None:
+            return None
+        p = s.prefix
+        x = b.op("Mul", [x, b.float_const(s.name(PREQUANT), s[PREQUANT])], f"{p}.input_prequant")
+        acts, ws2 = s[ACTIVATION_SCALE].float().reshape(-1), s[WEIGHT_SCALE_2].float().reshape(-1)
+        codes, scales = unpack_int4(s[WEIGHT])[:, : s.in_features], s.weight_scale()
+        outs, start = [], 0
+        for i, rows in enumerate(parts.long().tolist()):
+            act = b.float_const(f"{s.name(ACTIVATION_SCALE)}.{i}", acts[i].reshape(()))
+            q = b.op("QuantizeLinear", [x, act, zero_point(b, "FP8")], f"{p}.part{i}.input_q")
+            xi = b.op("DequantizeLinear", [q, act], f"{p}.part{i}.input_dq")
+            part = b.add_initializer(int4_proto(f"{s.name(WEIGHT)}.{i}", codes[start : start + rows]))
+            scale = b.const(f"{s.name(WEIGHT_SCALE)}.{i}", scales[start : start + rows])
+            int4 = b.op("DequantizeLinear", [part, scale], f"{p}.part{i}.weight_dq", axis=1, block_size=s.group_size)
+            g = b.const(f"{s.name(WEIGHT_SCALE_2)}.{i}", ws2[i].reshape(()))
+            fp8 = b.op("QuantizeLinear", [int4, g, zero_point(b, "FP8")], f"{p}.part{i}.weight_fp8")
+            dq = b.op("DequantizeLinear", [fp8, g], f"{p}.part{i}.weight_fp8_dq")
+            wi = b.op("CastLike", [dq, xi], f"{p}.part{i}.weight_cast")
+            outs.append(b.op("Gemm", [xi, wi], f"{p}.part{i}.out", transB=1))
+            start += rows
+        return b.op("Concat", outs, f"{p}.parts", axis=-1)
