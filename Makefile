@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: setup setup-peers test test-fast lint demo bench gpu-check clean
 
-setup: $(STAMP)
+setup: $(STAMP) setup-peers
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -78,8 +78,9 @@ def test_quality_modelopt_column_skips_with_the_reason(
     assert "ModelOpt column skipped: nvidia-modelopt not importable (set TRTBUILD_MODELOPT_PYTHON" in err
     monkeypatch.undo()
 
-    known = "w8a16, w4a16, w4a16_awq, w8a8_sq, fp8"
+    known = "w8a16, w4a16, w4a16_awq, w8a8_sq, fp8, w4a8_awq"
     assert qm.skip_reason(qm.Spec("w4a8")) == f"no ModelOpt config for w4a8 (known: {known})"
+    assert qm.skip_reason(qm.Spec("w4a8_awq")) is None
     windows = torch.arange(64, dtype=torch.int64)
     inputs = qm.Inputs(tmp_path / "missing-hf", windows.view(2, 32), windows, 32, reference=None)
     got = qm.measure(qm.Spec("w4a16_awq", 32), inputs, sys.executable, tmp_path / "work")
