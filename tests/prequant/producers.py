@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,3 +117,21 @@ def hf_weight(weights: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
     """The HF projections behind our linear `prefix` (transformer.layers.N.KIND), stacked as we fuse them."""
     _, _, layer, kind = prefix.split(".", 3)
     return torch.cat([weights[f"model.layers.{layer}.{p}.weight"] for p in PARTS_OF[kind]])
+
+
+def converted(root: Path, producer: str) -> Callable[[str], tuple[Produced, Path]]:
+    """variant -> (what `producer` made of it, our conversion of that), each made once per session (a
+    session-scoped fixture returns this)."""
+    from toolchain.checkpoint.convert import convert
+
+    cache: dict[str, tuple[Produced, Path]] = {}
+
+    def get(variant: str) -> tuple[Produced, Path]:
+        if variant not in cache:
+            made = produce(root, producer, variant)
+            out = root / f"ours-{variant}"
+            convert(made.ckpt, out)
+            cache[variant] = (made, out)
+        return cache[variant]
+
+    return get

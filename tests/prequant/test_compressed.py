@@ -21,7 +21,7 @@ from conftest import save_random_llama
 from safetensors.torch import load_file, save_file
 
 from tests.prequant.harness import SHORT_ROW, agreement, assert_reads_exactly, engine_logits
-from tests.prequant.producers import ROWS, Produced, dequantized, hf_weight, produce
+from tests.prequant.producers import ROWS, converted, dequantized, hf_weight, produce
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.prequant import detect
@@ -302,17 +302,7 @@ def producer_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def llmcompressor(producer_root: Path) -> Any:
-    cache: dict[str, tuple[Produced, Path]] = {}
-
-    def get(scheme: str) -> tuple[Produced, Path]:
-        if scheme not in cache:
-            made = produce(producer_root, "llmcompressor", scheme)
-            out = producer_root / f"ours-{scheme}"
-            convert(made.ckpt, out)
-            cache[scheme] = (made, out)
-        return cache[scheme]
-
-    return get
+    return converted(producer_root, "llmcompressor")
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from conftest import save_random_llama
 from safetensors.torch import load_file, save_file
 
 from tests.prequant.harness import agreement, assert_reads_exactly, engine_logits
-from tests.prequant.producers import ROWS, Produced, dequantized, hf_weight, produce, producer_python
+from tests.prequant.producers import ROWS, converted, dequantized, hf_weight, producer_python
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.hf import HFCheckpoint
 from toolchain.checkpoint.prequant import detect
@@ -157,18 +157,7 @@ def test_fused_projections_with_different_act_orders_are_refused(tmp_path: Path)
 
 @pytest.fixture(scope="session")
 def gptqmodel(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    root = tmp_path_factory.mktemp("gptqmodel")
-    cache: dict[str, tuple[Produced, Path]] = {}
-
-    def get(variant: str) -> tuple[Produced, Path]:
-        if variant not in cache:
-            made = produce(root, "gptqmodel", variant)
-            out = root / f"ours-{variant}"
-            convert(made.ckpt, out)
-            cache[variant] = (made, out)
-        return cache[variant]
-
-    return get
+    return converted(tmp_path_factory.mktemp("gptqmodel"), "gptqmodel")
 
 
 @pytest.mark.slow
