@@ -10,6 +10,7 @@ decompression, its own input quantization) by the issue's gates (tests/prequant/
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_llama
+from conftest import edit_weights, save_random_llama
 from safetensors.torch import load_file, save_file
 
 from tests.prequant.harness import SHORT_ROW, agreement, assert_reads_exactly, engine_logits
@@ -170,6 +171,14 @@ def test_fp8_static_keeps_each_projections_input_scale(tmp_path: Path) -> None:
     assert raw[f"{qkv}.{PARTS}"].tolist() == [64, 16, 16]
     assert raw["transformer.layers.0.mlp.fc.activation_scaling_factor"].shape == (1,)
 
+    for tensor, value in (("q_proj.input_scale", 0.0), ("o_proj.weight_scale", -0.01)):
+        bad = tmp_path / f"bad-{value}"
+        shutil.copytree(src, bad)
+        edit_weights(bad, lambda t, n=f"model.layers.1.self_attn.{tensor}", v=value: t.update({n: torch.tensor([v])}))
+        with pytest.raises(UserError, match=rf"{tensor}.*not finite and positive"):  # 0 divides, < 0 flips signs
+            convert(bad, tmp_path / f"out-{value}")
+        assert not (tmp_path / f"out-{value}").exists()
+
 
 def test_fp8_kv_cache_scales_read_where_k_and_v_agree(tmp_path: Path) -> None:
     fp8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
@@ -194,6 +203,9 @@ def test_fp8_kv_cache_scales_read_where_k_and_v_agree(tmp_path: Path) -> None:
     assert read_config(tmp_path / "out").quantization.kv_cache_quant_algo == "FP8"
     raw = load_file(str(tmp_path / "out" / "rank0.safetensors"))
     assert [raw[f"transformer.layers.{i}.attention.kv_cache_scaling_factor"].item() for i in (0, 1)] == [0.5, 0.25]
+    convert(tmp_path / "hf", tmp_path / "float", dequantize=True)  # the KV scales are read, then dropped
+    assert read_config(tmp_path / "float").quantization.kv_cache_quant_algo is None
+    assert not [n for n in load_file(str(tmp_path / "float" / "rank0.safetensors")) if "kv_cache" in n]
 
     layer_scale[1] = (0.25, 0.3)  # differing k / v: their max, as TensorRT-LLM merges them, and a warning
     write_ct(tmp_path / "hf2", make, config)

@@ -111,6 +111,18 @@ def test_gptq_reads_as_gptqmodel_dequantizes(tmp_path: Path, fmt: str, desc_act:
     assert any(n.endswith(INPUT_PERM) for n in raw) == desc_act
 
 
+@pytest.mark.parametrize("desc_act", [False, True])
+def test_dequantize_gives_gptqmodels_float_weights(tmp_path: Path, desc_act: bool) -> None:
+    """`convert --dequantize` of a GPTQ checkpoint (two sources a linear: qweight and g_idx) is a float checkpoint
+    whose weights are gptqmodel's dequantization, in the model's column order."""
+    want = write_gptq(tmp_path / "hf", gptq_config(desc_act=desc_act))
+    convert(tmp_path / "hf", tmp_path / "out", dequantize=True)
+    assert read_config(tmp_path / "out").quantization.quant_algo is None
+    raw = load_file(str(tmp_path / "out" / "rank0.safetensors"))
+    for prefix in ("transformer.layers.0.attention.qkv", "transformer.layers.1.mlp.proj"):
+        assert torch.equal(raw[f"{prefix}.weight"], hf_weight(want, prefix)), prefix
+
+
 def test_v1_zero_of_zero_carries_as_gptqmodel_reads_it(tmp_path: Path) -> None:
     """A true zero of 0 is stored as −1 (nibble 15); gptqmodel's word addition turns 0xFFFFFFFF into 0x11111110:
     the first zero reads 0 and the others 1 (the carry), not 0 each. We read what gptqmodel reads."""

@@ -142,11 +142,12 @@ def plan_conversion(
         cfg = dataclasses.replace(cfg, quantization=fmt.quantization())
     shapes = family.source_shapes(cfg, available)
     rules, made = _prequantized(fmt, family.weight_table(cfg, available), cfg)
+    read = {src for m in made for src in m.srcs}  # the producer's tensors, KV scales included, even where dropped
     if dequantize:  # the float detour, when asked: each quantized linear's float weight, nothing quantized
         made = dequantized(made, cfg, shapes)
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())
     _check_sources(ckpt, arch, rules, shapes)
-    used = {src for rule in rules for src in rule.srcs} | {src for m in made for src in m.srcs}
+    used = {src for rule in rules for src in rule.srcs} | read
     leftovers = sorted(n for n in available - used if not any(p.fullmatch(n) for p in family.DROPPED))
     if leftovers:
         raise UserError(

@@ -144,3 +144,18 @@ def kv_merge_warning(where: str, scales: list[tuple[int, float, float]]) -> str 
         "the FP8 KV cache takes their max per layer, as TensorRT-LLM does, so KV values are re-rounded: "
         "not the producer's model bit for bit"
     )
+
+
+def positive_scales(reader: TensorReader, name: str) -> Array:
+    """Tensor `name` of scales as float32 (float16 / bfloat16 / float32 widen exactly), refused in one line unless
+    every value is finite and positive: a zero scale divides by zero at run time and a negative one flips the
+    weight's sign, so no producer writes either (they clamp to eps)."""
+    values: Array = np.asarray(reader.get(name)).astype(np.float32)
+    bad = ~np.isfinite(values) | (values <= 0)
+    if bad.any():
+        first = values.reshape(-1)[int(np.argmax(bad.reshape(-1)))]
+        raise UserError(
+            f"{reader.file_of(name)}: tensor {name} has {int(bad.sum())} scale(s) that are not finite and positive "
+            f"(e.g. {first}); re-export the checkpoint"
+        )
+    return values

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint, TensorReader
-from toolchain.checkpoint.prequant import Array, Made, file_of, hf_prefix
+from toolchain.checkpoint.prequant import Array, Made, file_of, hf_prefix, positive_scales
 from toolchain.checkpoint.prequant.codecs import AWQ_ORDER, int4_rows_pack, unpack_int32
 from toolchain.checkpoint.safetensors_io import TORCH_NAMES
 from toolchain.checkpoint.sharding import Rule
@@ -157,10 +157,7 @@ def _scales(names: tuple[str, ...]) -> Any:
     def make(reader: TensorReader) -> Array:
         parts = []
         for n in names:
-            s = reader.get(n).astype(np.float32)  # float32 holds every float16 / bfloat16 scale exactly
-            if not np.isfinite(s).all():
-                raise UserError(f"{reader.file_of(n)}: tensor {n} has NaN/Inf scales; re-export the checkpoint")
-            parts.append(s)
+            parts.append(positive_scales(reader, n))  # float32 holds every float16 / bfloat16 scale exactly
         return np.ascontiguousarray(np.concatenate(parts, axis=1).T)
 
     return make

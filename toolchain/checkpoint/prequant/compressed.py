@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint, TensorReader
-from toolchain.checkpoint.prequant import Array, Made, hf_prefix, kv_merge_warning
+from toolchain.checkpoint.prequant import Array, Made, hf_prefix, kv_merge_warning, positive_scales
 from toolchain.checkpoint.prequant.codecs import int4_rows_pack, unpack_int32
 from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig, QuantConfig
@@ -90,6 +90,8 @@ class CompressedTensors:
         groups = q.get("config_groups") or {}
         if not isinstance(groups, dict) or not groups:
             raise UserError(f"{source}: compressed-tensors quantization_config has no config_groups; re-export it")
+        if not all(isinstance(g, dict) for g in groups.values()):
+            raise UserError(f"{source}: compressed-tensors config_groups must map names to objects; re-export it")
         if len({_scheme_key(g) for g in groups.values()}) > 1:
             raise UserError(
                 f"{source}: compressed-tensors config_groups {', '.join(groups)} hold different schemes (mixed "
@@ -183,6 +185,8 @@ class CompressedTensors:
         kv = self.q.get("kv_cache_scheme")
         if not kv:
             return None
+        if not isinstance(kv, dict):
+            raise UserError(f"{self.where}: kv_cache_scheme must be an object, got {kv!r}")
         if (kv.get("num_bits"), kv.get("type"), kv.get("strategy", "tensor"), bool(kv.get("dynamic"))) != (
             8,
             "float",
@@ -258,7 +262,7 @@ class CompressedTensors:
                     raise UserError(
                         f"{self.where}: kv_cache_scheme is FP8 but {missing[0]} is missing; re-export the checkpoint"
                     )
-                k, v = (float(r.get(self._scalar(n))[0]) for n in names)
+                k, v = (float(_f32(r, self._scalar(n))[0]) for n in names)
                 pairs.append((layer, k, v))
                 merged = np.array([max(k, v)], dtype=np.float32)
                 made.append(Made(f"transformer.layers.{layer}.{KV_SCALE}", (1,), "float32", names, _const(merged)))
@@ -289,7 +293,7 @@ class CompressedTensors:
         where every part holds the same (llm-compressor fuses NVFP4's global scales over q/k/v, and q/k/v see one
         input), else one per part with PREFIX.parts (D4: never requantized to the largest). 1/g in float64."""
         with self.ckpt.reader() as r:
-            values = {k: [float(r.get(self._scalar(s))[0]) for s in srcs] for k, (srcs, _) in scales.items()}
+            values = {k: [float(_f32(r, self._scalar(s))[0]) for s in srcs] for k, (srcs, _) in scales.items()}
         split = len(rows) > 1 and any(len(set(v)) > 1 for v in values.values())
         made = (
             [Made(f"{prefix}.{PARTS}", (len(rows),), "int64", (), _const(np.array(rows, dtype=np.int64)))]
@@ -373,6 +377,10 @@ class CompressedTensors:
             self._shape(f"{p}.weight_shape", (2,))
             self._dtype(f"{p}.weight_packed", ("int32",))
             packed = self._shape(f"{p}.weight_packed", ())
+            if len(packed) != 2:
+                raise UserError(
+                    f"{self.where}: {p}.weight_packed has shape {list(packed)}; it must be 2-D [out, words]"
+                )
             shapes.append((packed[0], packed[1] * 32 // bits))  # in: exact once weight_shape is read
         # weight_shape's values are data: read them now (a few bytes) so the plan knows the shapes
         with self.ckpt.reader() as r:
@@ -465,7 +473,7 @@ class CompressedTensors:
         for n, i in zip(names, idx, strict=True):
             if i.shape != (in_dim,) or not np.array_equal(i, idx[0]):
                 raise UserError(f"{self.where}: {n} differs from {names[0]} or is not [{in_dim}]")
-        counts = np.bincount(idx[0], minlength=in_dim // g)
+        counts = np.bincount(np.clip(idx[0], 0, None), minlength=in_dim // g)  # a negative index: refused below
         if idx[0].min() < 0 or len(counts) != in_dim // g or np.any(counts != g):
             raise UserError(f"{self.where}: {names[0]}: groups must hold {g} columns each (act-order by group)")
         perm: Array = np.argsort(idx[0], kind="stable")
@@ -513,6 +521,5 @@ def _const(value: Array) -> Callable[[TensorReader], Array]:
 
 
 def _f32(r: TensorReader, name: str) -> Array:
-    """A scale as float32 (bfloat16 / float16 / float32 convert exactly)."""
-    out: Array = r.get(name).astype(np.float32)
-    return out
+    """A scale as float32 (bfloat16 / float16 / float32 convert exactly), refused unless finite and positive."""
+    return positive_scales(r, name)

@@ -31,7 +31,8 @@ def dequantized(made: list[Made], cfg: ModelConfig, shapes: dict[str, Shape]) ->
     out = []
     for prefix, group in by_prefix.items():
         weight = next(m for m in group if m.name == f"{prefix}.weight")
-        hf = [f"{src.rsplit('.', 1)[0]}.weight" for src in weight.srcs]  # qweight, weight_packed: the linear's
+        # qweight + g_idx, weight_packed + weight_shape, ...: each source names its linear, some more than once
+        hf = list(dict.fromkeys(f"{src.rsplit('.', 1)[0]}.weight" for src in weight.srcs))
         shape = (sum(shapes[n][0] for n in hf), shapes[hf[0]][1])
         srcs = tuple(dict.fromkeys(s for m in group for s in m.srcs))
         out.append(Made(f"{prefix}.weight", shape, cfg.dtype, srcs, _float(prefix, group, cfg, shape)))

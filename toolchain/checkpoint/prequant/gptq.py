@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from toolchain.checkpoint.hf import HFCheckpoint, TensorReader
-from toolchain.checkpoint.prequant import Array, Made, hf_prefix
+from toolchain.checkpoint.prequant import Array, Made, hf_prefix, positive_scales
 from toolchain.checkpoint.prequant.codecs import int4_rows_pack, unpack_int32
 from toolchain.checkpoint.sharding import Rule
 from toolchain.checkpoint.trtllm import ModelConfig, QuantConfig
@@ -50,7 +50,7 @@ class Gptq:
         if bits != BITS:
             raise UserError(f"{source}: GPTQ bits {bits!r}: only 4-bit GPTQ is read (W4A16_GPTQ)")
         fmt = q.get("checkpoint_format", q.get("format", "gptq"))
-        if fmt not in FORMATS:
+        if not isinstance(fmt, str) or fmt not in FORMATS:
             raise UserError(f"{source}: GPTQ checkpoint_format {fmt!r} is not read; supported: {', '.join(FORMATS)}")
         self.version = FORMATS[fmt]
         pack = str(q.get("pack_dtype", "int32")).removeprefix("torch.")
@@ -106,6 +106,8 @@ class Gptq:
         prefix = rule.dst.removesuffix(".weight")
         g = self.group_size
         words = [self.ckpt.tensors[f"{p}.qweight"].shape for p in hf]
+        if any(len(w) != 2 for w in words):
+            raise UserError(f"{self.where}: {', '.join(hf)}: qweight shapes {words}; GPTQ stores [in / 8, out] int32")
         in_dim = words[0][0] * 32 // BITS
         rows = [w[1] for w in words]
         if any(w[0] != words[0][0] for w in words):
@@ -151,7 +153,7 @@ class Gptq:
                 (out, groups),
                 "float32",
                 tuple(f"{p}.scales" for p in hf),
-                lambda r: np.concatenate([r.get(f"{p}.scales").astype(np.float32).T for p in hf]),
+                lambda r: np.concatenate([positive_scales(r, f"{p}.scales").T for p in hf]),
             ),
             Made(f"{prefix}.{ZERO_POINT}", (out, groups), "uint8", tuple(f"{p}.qzeros" for p in hf), zeros),
             *(

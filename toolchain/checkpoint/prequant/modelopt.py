@@ -242,7 +242,7 @@ class ModelOptHF:
                     f"{TORCH_NAMES[spec['weight']]} weights"
                 )
         shapes = [self.ckpt.tensors[w].shape for w in weights]
-        in_packed = shapes[0][1]
+        in_packed = shapes[0][1] if len(shapes[0]) == 2 else -1
         if any(len(s) != 2 or s[1] != in_packed for s in shapes):
             raise UserError(f"{self.ckpt.root}: {', '.join(weights)} disagree in input width: {shapes}")
         made: list[Made] = []
