@@ -286,6 +286,11 @@ def test_what_modelopts_layout_cannot_hold_is_refused_before_quantizing(
         line = one_line_error(cli("quantize", ckpt, "-o", out, "--format", "hf", *args))
         assert expected in line and "--format trtllm" in line, line
         assert not out.exists()
+    convert(save_random_llama(tmp_path / "tied", tie_word_embeddings=True), tmp_path / "tied-ckpt")
+    tied = ("quantize", tmp_path / "tied-ckpt", "-o", out, "--format", "hf", "--method", "w8a16", "--exclude", "none")
+    line = one_line_error(cli(*tied))
+    assert "lm_head is tied" in line and "tied-ckpt" in line and "--format trtllm" in line, line
+    assert not out.exists()
     convert(save_random(tmp_path / "gpt2", "gpt2"), tmp_path / "gpt2-ckpt")
     line = one_line_error(cli("quantize", tmp_path / "gpt2-ckpt", "-o", out, "--format", "hf", "--method", "w8a16"))
     assert "GPT2LMHeadModel" in line and "LlamaForCausalLM" in line and "--format trtllm" in line, line

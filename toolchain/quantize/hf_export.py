@@ -171,6 +171,11 @@ def check_exportable(cfg: ModelConfig, source: str, linears: list[str] | None = 
             f"{source}: --format hf writes an FP8 KV cache or none, not {q.kv_cache_quant_algo} (ModelOpt's HF "
             "layout has no INT8 KV cache scales); use --kv-cache fp8, --kv-cache none or --format trtllm"
         )
+    if cfg.tie_word_embeddings and "lm_head" in (linears or []):
+        raise UserError(
+            f"{source}: lm_head is tied to the embedding, and a Hugging Face checkpoint has no lm_head of its own to "
+            "hold it quantized; keep it excluded (the default --exclude) or use --format trtllm"
+        )
     if q.quant_algo in INT4:
         spec, g = spec_of(cfg), q.group_size
         for prefix in linears or []:
