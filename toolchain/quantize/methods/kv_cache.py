@@ -14,11 +14,19 @@ when the quantizers carry a bias, which trtbuild does not make). Each stored k /
 (NVFP4QTensor's arithmetic, methods/nvfp4.py `nvfp4_qdq`, which the engine's KVCacheWrite and the reference forward
 both call). TensorRT-LLM holds such a cache as packed FP4 with the block scales in a pool of their own; trtbuild's
 pool holds the NVFP4-dequantized values in float32 (contract.KV_DTYPES "nvfp4"): the reads are the same numbers, the
-memory is not saved (docs/quantization.md). TensorRT-LLM's own loader (tensorrt_llm/_torch/modules/linear.py
-`FP8QDQLinearMethod.load_weights_fused_qkv_linear`, NVFP4 KV) takes the checkpoint's k_scale / v_scale as
-amax / (6 · 448) and multiplies them by 6 for its kernels (amax / 448, "to avoid overflow when dequantizing NVFP4
-in attention kernels"), and only under TRTLLM_LOAD_KV_SCALES=1 (else 1.0); ModelOpt 0.47's HF export writes
-k_scale = amax / 448 for NVFP4 as for FP8 (modelopt/torch/export/unified_export_hf.py: `kv_cache_max_bound = 448`).
+memory is not saved (docs/quantization.md).
+
+The scale conventions differ by consumer. What trtbuild writes is ModelOpt's TensorRT-LLM-checkpoint value (above),
+amax / (6 · 448). ModelOpt 0.47's HF export writes k_scale = v_scale = amax / 448 for NVFP4 as for FP8
+(modelopt/torch/export/unified_export_hf.py `_export_transformers_checkpoint`: `kv_cache_max_bound = 448`, applied in
+quant_utils.py `postprocess_state_dict`). TensorRT-LLM's PyTorch runtime uses amax / 448 as its second-level scale
+(`kv_scales` = [1, max k_scale, max v_scale], passed to the attention op as kv_scale_quant_orig / `kv_scales_sf`,
+its inverse as kv_scale_orig_quant; tensorrt_llm/_torch/modules/linear.py
+`FP8QDQLinearMethod.process_weights_after_loading_fused_qkv_linear`, commit 00bbf71e: the checkpoint's k_scale as is,
+under TRTLLM_LOAD_KV_SCALES=1, the default; an older stored version of the same file multiplied a checkpoint's
+amax / (6 · 448) by 6, "to avoid overflow when dequantizing NVFP4 in attention kernels", default off). With that
+global the block scales are a sixth of ModelOpt's (at most 448 / 6) and round to E4M3 differently: the values an
+engine of TensorRT-LLM's stores may differ from these by one block-scale rounding.
 The block size needs head_size a multiple of 16 (`check_head_size`)."""
 
 from __future__ import annotations
