@@ -5,6 +5,7 @@ reference forward, and the refusals (heads not whole blocks of 16, the Triton ke
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -134,3 +135,40 @@ def test_build_keeps_nvfp4_kv_on_the_cpu_engine() -> None:
 
     assert "NVFP4 KV cache has no TensorRT kernel" in (_no_kv(TENSORRT, "nvfp4") or "")
     assert _no_kv(ONNXRUNTIME, "nvfp4") is None and _no_kv(TENSORRT, "fp8") is None
+
+
+# ModelOpt's own NVFP4QTensor on K (CPU: its plain torch path) over the given global scale, dequantized, as npy
+KV_WORKER = """
+import sys, numpy as np, torch
+from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+d = sys.argv[1]
+x, g = (torch.from_numpy(np.load(f"{d}/{n}.npy")) for n in ("k", "g"))
+q, s, _ = NVFP4QTensor.quantize(x, 16, weights_scaling_factor_2=g)
+np.save(f"{d}/k_qdq.npy", q.dequantize(torch.float32, scale=s, double_scale=g, block_sizes={-1: 16}).numpy())
+"""
+
+
+@pytest.mark.slow  # ModelOpt's import: ~15 s
+def test_kv_cache_write_is_modelopt_nvfp4qtensor(tmp_path: Path) -> None:
+    """The stored K rows are ModelOpt's NVFP4QTensor quantize-dequantize of them over the layer's global scale, bit
+    for bit (run by ModelOpt itself, in a subprocess)."""
+    from bench.quality_modelopt import modelopt_python
+
+    python, why = modelopt_python()
+    if python is None:
+        pytest.skip(why)
+    heads, d, t = 2, 64, 24
+    k = torch.randn(t, heads, d, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 0, d)
+    g = global_scale(k.abs().amax() / 2)  # half the amax: saturating blocks too
+    np.save(tmp_path / "k.npy", k.numpy())
+    np.save(tmp_path / "g.npy", g.numpy())
+    subprocess.run([python, "-c", KV_WORKER, str(tmp_path)], check=True, capture_output=True, timeout=300)
+    a = AttentionAttrs(
+        0, heads, heads, d, tokens_per_block=TPB, rotary_style="none", kv_cache_dtype="nvfp4", kv_scale=g.item()
+    )
+    qkv = torch.cat([torch.zeros(t, heads * d), k.reshape(t, -1), k.reshape(t, -1)], dim=1)
+    pool = torch.zeros(1, t // TPB, 2, heads, TPB, d)
+    table = torch.arange(t // TPB, dtype=torch.int32)
+    kv_cache_write(a, qkv, torch.arange(t, dtype=torch.int32), torch.tensor([0]), torch.tensor([t]), table[None], pool)
+    stored = pool[0].permute(0, 3, 1, 2, 4).reshape(t, 2, heads, d)  # blocks in order: [tokens, K/V, heads, d]
+    assert np.array_equal(stored[:, 0].numpy(), np.load(tmp_path / "k_qdq.npy"))
