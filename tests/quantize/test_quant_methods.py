@@ -167,7 +167,7 @@ def test_choices_are_the_registrys(cli: Any) -> None:
         QuantizeSection(method="int3")
     with pytest.raises(ValueError, match="must be one of none, int8, fp8"):
         QuantizeSection(method="fp8", kv_cache="int4")
-    assert KV_CACHE_NAMES == ("none", "int8", "fp8")
+    assert KV_CACHE_NAMES == ("none", "int8", "fp8", "nvfp4")
     with pytest.raises(UserError, match="method 'int3' is not supported; choose one of w8a16"):
         QuantizeOptions("int3")
 
@@ -186,5 +186,5 @@ def test_unknown_quant_algo_is_one_line(cli: Any, make_llama: Any, tmp_path: Pat
         load_quantized(tmp_path / "q")
     data["quantization"] |= {"quant_algo": "W8A16", "kv_cache_quant_algo": "INT2"}
     config.write_text(json.dumps(data))
-    with pytest.raises(UserError, match=r"kv_cache_quant_algo 'INT2' is not supported; supported: INT8, FP8"):
+    with pytest.raises(UserError, match=r"kv_cache_quant_algo 'INT2' is not supported; supported: INT8, FP8, NVFP4"):
         load_quantized(tmp_path / "q")

@@ -134,26 +134,35 @@ def by_name(name: str) -> Backend:
     return BACKENDS[name]
 
 
-def choose(requested: str, record: StageRecord, experts: int = 0) -> Backend:
+def choose(requested: str, record: StageRecord, experts: int = 0, kv_cache: str | None = None) -> Backend:
     """The backend a build uses: the requested one if it can build here, else (auto) the first of AUTO_ORDER that
-    can, the fallback said on stderr and in the manifest. `experts`: the model's mixture-of-experts layers; auto
-    never picks a backend that cannot run them, and one asked for by name is refused before anything is exported."""
+    can, the fallback said on stderr and in the manifest. `experts`: the model's mixture-of-experts layers;
+    `kv_cache`: the checkpoint's KV cache quantization name; auto never picks a backend that cannot run them, and
+    one asked for by name is refused before anything is exported."""
     if requested != AUTO:
         backend = BACKENDS[requested]
-        reason = backend.unavailable() or _no_experts(backend, experts)
+        reason = backend.unavailable() or _no_experts(backend, experts) or _no_kv(backend, kv_cache)
         if reason:
             raise UserError(
                 f"--backend {backend.name}: {reason}; use --backend onnxruntime (or auto) to build the CPU engine"
             )
         return backend
     preferred, fallback = AUTO_ORDER
-    reason = preferred.unavailable() or _no_experts(preferred, experts)
+    reason = preferred.unavailable() or _no_experts(preferred, experts) or _no_kv(preferred, kv_cache)
     if not reason:
         return preferred
     note = f"TensorRT backend unavailable ({reason}): building the CPU engine (ONNX Runtime)"
     console.warn(note)
     record.warnings.append(note)
     return fallback
+
+
+def _no_kv(backend: Backend, kv_cache: str | None) -> str | None:
+    """An NVFP4 KV cache: only the CPU engine's reference KVCacheWrite quantizes it (no Triton kernel variant
+    does: plugins/kernels/common.py check_types)."""
+    if kv_cache != "nvfp4" or backend is AUTO_ORDER[-1]:
+        return None
+    return "an NVFP4 KV cache has no TensorRT kernel (only the CPU engine's KVCacheWrite quantizes it)"
 
 
 def _no_experts(backend: Backend, experts: int) -> str | None:

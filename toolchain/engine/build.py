@@ -118,7 +118,11 @@ def build_engine(
     record = record or StageRecord("build")
     tokenizer_paths = tokenizer_files(checkpoint, tokenizer, record)
     experts = sum(isinstance(ls.ffn, ExpertsFFN) for ls in spec_of(cfg, str(checkpoint / CONFIG_NAME)).layers)
-    backend = choose_for_ranks(opts.backend, record, world) if world > 1 else choose(opts.backend, record, experts)
+    kv = kv_by_algo(cfg.quantization.kv_cache_quant_algo, str(checkpoint / "config.json"))
+    if world > 1:
+        backend = choose_for_ranks(opts.backend, record, world)
+    else:
+        backend = choose(opts.backend, record, experts, kv.name if kv else None)
     backend.check_tokens_per_block(opts.tokens_per_block)
     dtype = backend.engine_dtype(cfg.torch_dtype)
     limits = Limits(

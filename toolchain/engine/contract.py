@@ -53,6 +53,7 @@ KV_DTYPES = {
     "bfloat16": torch.bfloat16,
     "int8": torch.int8,
     "fp8": torch.float8_e4m3fn,
+    "nvfp4": torch.float32,  # NVFP4-dequantized values (quantize/methods/kv_cache.py): no memory saved
 }
 
 

@@ -61,6 +61,7 @@ from toolchain.errors import UserError
 from toolchain.parallel.mapping import RankMapping
 from toolchain.quantize import experts
 from toolchain.quantize.methods.base import ACTIVATION_SCALE, PREQUANT, Context, quantized
+from toolchain.quantize.methods.kv_cache import check_head_size
 from toolchain.quantize.methods.nvfp4 import TRT_DOMAIN
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
@@ -81,6 +82,8 @@ ONNX_TYPES: dict[torch.dtype, int] = {
     torch.float8_e4m3fn: TensorProto.FLOAT8E4M3FN,
 }
 KV_ONNX = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
+# nvfp4: a float32 pool of NVFP4-dequantized values (contract.KV_DTYPES), scaled (kv_scale) like the code pools
+KV_FLOAT_SCALED = {"nvfp4": TensorProto.FLOAT}
 
 
 def tensor_proto(name: str, t: torch.Tensor) -> TensorProto:
@@ -174,6 +177,7 @@ class _Exporter:
         kv = kv_by_algo(q.kv_cache_quant_algo, f"{source}'s config.json")
         self.method = by_algo(q.quant_algo)  # reads and exports its quantized linears' tensors
         self.kv_dtype = kv.name if kv else _DTYPE_NAMES[dtype]  # "int8" / "fp8": the KV cache quantization's name
+        check_head_size(kv, cfg.head_size, f"{source}'s config.json")
         b = self.b
         self.eps = b.const("norm_epsilon", torch.tensor(cfg.norm_epsilon, dtype=torch.float32))
         self.last_axis = b.const("axis_last", torch.tensor([-1], dtype=torch.int64))
@@ -304,7 +308,7 @@ class _Exporter:
         scaling = (rope.scaling if rope else None) or {}
         kind = scaling.get("rope_type", scaling.get("type", "none"))
         kv_scale = 1.0
-        if self.kv_dtype in KV_ONNX:
+        if self.kv_dtype in KV_ONNX or self.kv_dtype in KV_FLOAT_SCALED:
             kv_scale = kv_cache_scale(self.w, ls.prefix, self.source)
         return AttentionAttrs(
             layer=ls.index,
@@ -634,7 +638,7 @@ class _Exporter:
         return model
 
     def _kv_elem(self) -> int:
-        return KV_ONNX.get(self.kv_dtype, self.b.onnx_dtype)
+        return {**KV_ONNX, **KV_FLOAT_SCALED}.get(self.kv_dtype, self.b.onnx_dtype)
 
     def _kv_value_info(self, name: str) -> onnx.ValueInfoProto:
         return helper.make_tensor_value_info(name, self._kv_elem(), list(self._kv_shape()))

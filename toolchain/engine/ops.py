@@ -9,7 +9,9 @@ KVCacheWrite
   outputs  q [num_tokens, heads * head_size] (after rotary)
   q and k get rotary embedding at their positions (rotate-half / GPT-NeoX style, with the configured scaling: linear,
   llama3, or YaRN with its attention factor on cos and sin, reference/rope.py); the
-  new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8) at their slots.
+  new tokens' k and v are stored (quantized with kv_scale when the pool is int8 / fp8; when it is nvfp4, quantized
+  to NVFP4 in blocks of 16 along head_size over the global scale kv_scale and stored dequantized, in float32:
+  quantize/methods/kv_cache.py) at their slots.
 
 PagedAttention
   inputs   q [num_tokens, heads * head_size], position_ids, context_lens, new_lens, block_tables, kv_cache, then,
@@ -65,6 +67,7 @@ from toolchain.checkpoint.spec import ACTIVATIONS, ROUTER_NORMS
 from toolchain.engine.collectives import COLLECTIVE_ATTRS, COLLECTIVE_FIELDS, CollectiveAttrs
 from toolchain.engine.geometry import blocks_for
 from toolchain.quantize.core import FP8_E4M3_MAX
+from toolchain.quantize.methods.nvfp4 import nvfp4_qdq
 from toolchain.reference.model import ACTIVATIONS as ACTIVATION_FNS
 from toolchain.reference.rope import apply_rotary, cos_sin
 
@@ -92,8 +95,8 @@ class AttentionAttrs:
     rotary_truncate: int = 1
     rotary_attention_factor: float = 1.0
     sliding_window: int = 0  # 0: attend to the whole context
-    kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8
-    kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool
+    kv_cache_dtype: str = "float32"  # float32, float16, bfloat16, int8, fp8, nvfp4 (NVFP4 values in float32)
+    kv_scale: float = 1.0  # dequantization factor of an int8 / fp8 pool; nvfp4: the global scale of the writes
     # Attention scores are q.k / (sqrt(head_size) * q_scaling): TensorRT-LLM's gpt_attention field of that name
     # (tensorrt_llm/_torch/modules/attention.py: "qk_scale = 1 / (sqrt(head_dim) * q_scaling)"; Gemma 2 / 3 set
     # q_scaling = sqrt(query_pre_attn_scalar / head_size) in tensorrt_llm/models/gemma/model.py).
@@ -182,6 +185,8 @@ def _store(x: torch.Tensor, a: AttentionAttrs, pool_dtype: torch.dtype) -> torch
         return torch.round(x / a.kv_scale).clamp(-128, 127).to(torch.int8)
     if a.kv_cache_dtype == "fp8":  # saturate first: torch turns out-of-range values into NaN
         return (x / a.kv_scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    if a.kv_cache_dtype == "nvfp4":  # the NVFP4-dequantized values themselves, in the float32 pool
+        return nvfp4_qdq(x.float(), torch.tensor([a.kv_scale], dtype=torch.float32)).to(pool_dtype)
     return x.to(pool_dtype)
 
 

@@ -1,9 +1,9 @@
 """The reference forward of a quantized checkpoint: weights dequantized; each linear's input multiplied by its
 `prequant_scaling_factor` when it has one (each expert's routed input by its own, for AWQ / SmoothQuant experts);
 and what the engine quantizes at run time — INT8 (SmoothQuant) or FP8 activations at each linear's input (at each
-expert's routed input for experts), the KV cache — quantized and dequantized in place (fake quantization), so the
-reference computes what the engine will compute, up to accumulation order. Each quantized linear's method reads its
-own tensors (methods/base.py)."""
+expert's routed input for experts), the KV cache (NVFP4: in blocks of 16 along head_size, as KVCacheWrite stores
+it) — quantized and dequantized in place (fake quantization), so the reference computes what the engine will
+compute, up to accumulation order. Each quantized linear's method reads its own tensors (methods/base.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from toolchain.quantize import experts
 from toolchain.quantize.core import fake_quant
 from toolchain.quantize.methods.base import WEIGHT, QuantMethod, Stored, quantized_prefix
 from toolchain.quantize.methods.kv_cache import KV_SCALE
+from toolchain.quantize.methods.nvfp4 import nvfp4_qdq
 from toolchain.quantize.methods.registry import by_algo, kv_by_algo
 from toolchain.quantize.scheme import stored
 from toolchain.reference.model import Hooks, ReferenceModel
@@ -64,6 +65,9 @@ class FakeQuant(Hooks):
         if self.kv_kind is None:
             return k, v
         scale = self.kv_scales[layer]
+        if self.kv_kind == "NVFP4":  # blocks of 16 along head_size (the last axis) over the layer's global scale
+            g = torch.tensor([scale], dtype=torch.float32)
+            return nvfp4_qdq(k, g), nvfp4_qdq(v, g)
         return fake_quant(k, scale, self.kv_kind), fake_quant(v, scale, self.kv_kind)
 
 

@@ -169,7 +169,8 @@ def check_exportable(cfg: ModelConfig, source: str, linears: list[str] | None = 
     if q.kv_cache_quant_algo is not None and q.kv_cache_quant_algo not in KV_ALGOS:
         raise UserError(
             f"{source}: --format hf writes an FP8 KV cache or none, not {q.kv_cache_quant_algo} (ModelOpt's HF "
-            "layout has no INT8 KV cache scales); use --kv-cache fp8, --kv-cache none or --format trtllm"
+            "layout has no INT8 KV cache scales; its NVFP4 k_scale / v_scale, amax / 448, is not written yet); use "
+            "--kv-cache fp8, --kv-cache none or --format trtllm"
         )
     if cfg.tie_word_embeddings and "lm_head" in (linears or []):
         raise UserError(

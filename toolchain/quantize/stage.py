@@ -54,7 +54,7 @@ from toolchain.quantize.calibrate import (
 from toolchain.quantize.fake import load_quantized
 from toolchain.quantize.hf_export import check_exportable, write_hf
 from toolchain.quantize.methods.base import Context, Layer, QuantMethod
-from toolchain.quantize.methods.kv_cache import KvCacheQuant
+from toolchain.quantize.methods.kv_cache import KvCacheQuant, check_head_size
 from toolchain.quantize.methods.registry import KV_CACHES, method
 from toolchain.quantize.results import QuantizeResult
 from toolchain.quantize.scheme import DEFAULT_EXCLUDE, excluded, quantizable, routers
@@ -282,6 +282,7 @@ def quantize_checkpoint(
     if cfg.mapping.world_size != 1:
         raise UserError(f"{source} has {cfg.mapping.world_size} ranks; quantize a tp=1 pp=1 checkpoint")
     qm, kv = opts.quant_method, opts.kv
+    check_head_size(kv, cfg.head_size, f"{source / CONFIG_NAME}")
     rank_path = source / rank_file(0)
     if not rank_path.is_file():
         raise UserError(f"{rank_path} not found; is {source} a converted checkpoint (trtbuild convert)?")

@@ -147,6 +147,11 @@ def check_types(kv_cache_dtype: str, head_size: int, activation: str) -> None:
     activations (the pool's floats are the activations' own), an unknown dtype, an odd or too large head size."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation dtype {activation!r} has no kernel; choose one of {', '.join(ACTIVATIONS)}")
+    if kv_cache_dtype == "nvfp4":
+        raise ValueError(
+            "KV cache nvfp4 has no Triton kernel (no variant was run against the reference op): build with the CPU "
+            "engine (its reference KVCacheWrite quantizes it), or quantize with --kv-cache fp8 for TensorRT"
+        )
     if kv_cache_dtype not in STORAGE:
         raise ValueError(f"KV cache dtype {kv_cache_dtype!r} has no kernel; choose one of {', '.join(STORAGE)}")
     if kv_cache_dtype in ACTIVATIONS and kv_cache_dtype != activation:

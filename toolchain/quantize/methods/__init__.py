@@ -40,4 +40,4 @@ METHOD_NAMES = tuple(METHODS_INDEX)
 METHODS_HELP = "; ".join(f"{name}: {entry.phrase}" for name, entry in METHODS_INDEX.items())
 # every group size some method accepts: the CLI's and the recipe's choices (each method then checks its own)
 GROUP_SIZE_CHOICES = tuple(sorted({size for entry in METHODS_INDEX.values() for size in entry.group_sizes}))
-KV_CACHE_NAMES = ("none", "int8", "fp8")  # "none": a float cache; the others are kv_cache.py's
+KV_CACHE_NAMES = ("none", "int8", "fp8", "nvfp4")  # "none": a float cache; the others are kv_cache.py's

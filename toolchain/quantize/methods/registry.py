@@ -10,7 +10,7 @@ from typing import TypeVar
 from toolchain.errors import UserError
 from toolchain.quantize.methods import IMPORTED_INDEX, KV_CACHE_NAMES, METHODS_INDEX
 from toolchain.quantize.methods.base import QuantMethod
-from toolchain.quantize.methods.kv_cache import FP8_KV, INT8_KV, KvCacheQuant
+from toolchain.quantize.methods.kv_cache import FP8_KV, INT8_KV, NVFP4_KV, KvCacheQuant
 
 T = TypeVar("T")
 
@@ -22,7 +22,7 @@ def _load(name: str, where: str) -> QuantMethod:
 
 
 METHODS: dict[str, QuantMethod] = {name: _load(name, entry.where) for name, entry in METHODS_INDEX.items()}
-KV_CACHES: dict[str, KvCacheQuant | None] = {kv.name if kv else "none": kv for kv in (None, INT8_KV, FP8_KV)}
+KV_CACHES: dict[str, KvCacheQuant | None] = {kv.name if kv else "none": kv for kv in (None, INT8_KV, FP8_KV, NVFP4_KV)}
 assert tuple(KV_CACHES) == KV_CACHE_NAMES, "methods/__init__.py lists the KV caches kv_cache.py defines"
 # read from pre-quantized checkpoints, not made by `quantize` (methods/__init__.py IMPORTED_INDEX)
 IMPORTED: dict[str, QuantMethod] = {name: _load(name, entry.where) for name, entry in IMPORTED_INDEX.items()}
