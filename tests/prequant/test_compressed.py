@@ -170,6 +170,8 @@ def test_fp8_static_keeps_each_projections_input_scale(tmp_path: Path) -> None:
     assert raw[f"{qkv}.activation_scaling_factor"].tolist() == inputs
     assert raw[f"{qkv}.{PARTS}"].tolist() == [64, 16, 16]
     assert raw["transformer.layers.0.mlp.fc.activation_scaling_factor"].shape == (1,)
+    # what the producer left float is listed, as our quantize stage lists it (TensorRT-LLM reads null as "all")
+    assert read_config(tmp_path / "out").quantization.exclude_modules == ["lm_head", "transformer.vocab_embedding"]
 
     for tensor, value in (("q_proj.input_scale", 0.0), ("o_proj.weight_scale", -0.01)):
         bad = tmp_path / f"bad-{value}"

@@ -44,7 +44,7 @@ from toolchain.checkpoint.safetensors_io import (
     code_of,
 )
 from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
-from toolchain.checkpoint.spec import ExpertsFFN
+from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, QuantConfig, rank_file, write_config
 from toolchain.errors import UserError
 from toolchain.manifest import StageRecord
@@ -143,6 +143,8 @@ def plan_conversion(
     shapes = family.source_shapes(cfg, available)
     rules, made = _prequantized(fmt, family.weight_table(cfg, available), cfg)
     read = {src for m in made for src in m.srcs}  # the producer's tensors, KV scales included, even where dropped
+    if fmt is not None:  # the linears the producer left float, listed as our quantize stage lists them
+        cfg = dataclasses.replace(cfg, quantization=_with_excluded(cfg, made))
     if dequantize:  # the float detour, when asked: each quantized linear's float weight, nothing quantized
         made = dequantized(made, cfg, shapes)
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())
@@ -165,6 +167,16 @@ def plan_conversion(
         stages.append(tuple(sorted(stage, key=lambda t: t.name)))
     source_record = {**fmt.source(), **({"dequantized": True} if dequantize else {})} if fmt else None
     return ConversionPlan(arch, cfg, tuple(stages), source_record, tuple(fmt.warnings if fmt else ()))
+
+
+def _with_excluded(cfg: ModelConfig, made: list[prequant.Made]) -> QuantConfig:
+    """cfg's quantization with exclude_modules: every linear the format did not store quantized, and the embedding
+    (TensorRT-LLM reads a null list as "every linear quantized")."""
+    suffix = ".weights_scaling_factor"
+    quantized = {m.name.removesuffix(suffix) for m in made if m.name.endswith(suffix)}
+    linears = {p for layer in spec_of(cfg).layers for p in layer.linears()} | {"lm_head"}
+    excluded = sorted(linears - quantized | {"transformer.vocab_embedding"})
+    return dataclasses.replace(cfg.quantization, exclude_modules=excluded)
 
 
 def _prequantized(
