@@ -72,6 +72,7 @@ class FakeEngine:
         limits: Limits | None = None,
         model: Callable[[np.ndarray], int] = next_token,
         delay_s: float = 0.0,
+        vocab_size: int = VOCAB,
     ):
         limits = limits or fake_limits()
         kv = KVCacheSpec("float32", num_layers=1, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK, head_size=1)
@@ -81,11 +82,11 @@ class FakeEngine:
             dtype="float32",
             checkpoint_dtype="float32",
             architecture="FakeForCausalLM",
-            vocab_size=VOCAB,
+            vocab_size=vocab_size,
             limits=limits,
             kv_cache=kv,
         )
-        self.vocab_size, self.tokens_per_block = VOCAB, TOKENS_PER_BLOCK
+        self.vocab_size, self.tokens_per_block = vocab_size, TOKENS_PER_BLOCK
         self.model, self.delay_s = model, delay_s
         self.broken = False
         self.calls = self.seen = 0
@@ -111,7 +112,7 @@ class FakeEngine:
         pos = batch.position_ids.astype(np.int64)
         pool[batch.block_tables[seq, pos // tpb], pos % tpb] = batch.input_ids
         ends = batch.context_lens.astype(np.int64) + batch.new_lens
-        logits = np.zeros((batch.logits_index.size, VOCAB), dtype=np.float32)
+        logits = np.zeros((batch.logits_index.size, self.vocab_size), dtype=np.float32)
         for s, end in enumerate(ends.tolist()):
             blocks = batch.block_tables[s, : -(-end // tpb)]
             context = pool[blocks].reshape(-1)[:end].astype(np.int64)

@@ -10,6 +10,12 @@ bytes or the replacement character itself, which no later token changes: the tex
 released then, so that a degenerate output (a model emitting stray bytes) neither stalls the stream nor widens
 the window with its length.
 
+The window starts in the prompt: the detokenizer is seeded with the prompt's last tokens (vLLM seeds its incremental
+detokenizer the same way), so the first token's text is what it adds to the prompt's text. A SentencePiece token
+that starts a word carries its space ("▁Max" after "named"), which decoding drops at the start of a text: decoded
+alone the completion would be "Max." where the model wrote " Max.". With the seed, the streamed text equals
+decode(prompt + output) minus decode(prompt).
+
 Stop strings are searched only where a new match can be: the new text plus the last (longest stop - 1) characters
 before it. The text released to the client holds back that many characters, so a stop string split across tokens
 is never streamed in part; OpenAI's API excludes the stop string from the output.
@@ -17,6 +23,7 @@ is never streamed in part; OpenAI's API excludes the stop string from the output
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 _CONTEXT = 6  # tokens of left context re-decoded with each new one
@@ -35,11 +42,17 @@ class Decoder(Protocol):
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Decoder, stop_strings: tuple[str, ...] = (), skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        stop_strings: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+        prompt: Sequence[int] = (),
+    ):
         self.tokenizer, self.stops, self.skip = tokenizer, tuple(s for s in stop_strings if s), skip_special_tokens
-        self.ids: list[int] = []
+        self.ids: list[int] = [int(t) for t in prompt[max(0, len(prompt) - _CONTEXT) :]]  # left context
         self.prefix = 0  # window start
-        self.read = 0  # tokens whose text is in self.text
+        self.read = len(self.ids)  # tokens whose text is in self.text (or is the prompt's)
         self.text = ""  # decoded so far (complete characters only)
         self.sent = 0  # characters of self.text released
         self.stopped: str | None = None  # the stop string that matched

@@ -92,7 +92,7 @@ class Runtime:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
         if self.tokenizer is not None:
-            request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings)
+            request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings, prompt=request.prompt)
         self.requests[request.id] = request
         problem = self.check_request(request.prompt, request.params)
         if problem:
