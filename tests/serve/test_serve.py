@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import shutil
 import signal
 import socket
@@ -22,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
+from toolchain import __version__
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.engine.api import load_tokenizer, open_engine
@@ -39,6 +42,7 @@ from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
 from toolchain.serve import ENGINE_HEADER
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
+from toolchain.serve.protocol import ACCEPTED_UNUSED
 from toolchain.serve.server import DrainingServer, prepare
 
 MAX_SEQ_LEN = 128
@@ -275,6 +279,77 @@ def test_models_list_names_the_served_model_and_engine(server: Running, engine_s
     assert [m.id for m in models] == [MODEL]
     extra = models[0].model_extra or {}
     assert extra["engine_sha256"] == engine_sha256 and extra["max_model_len"] == MAX_SEQ_LEN
+    manifest = json.loads((server.state.spec.engine_dir / "manifest.json").read_text())
+    built = datetime.fromisoformat(manifest["created_utc"]).timestamp()
+    assert models[0].created == int(built) > 0  # the engine's build time, not 0
+    assert "quantization" not in extra  # unquantized: TensorRT-LLM's default block (group_size 128...) is not shown
+    assert server.state.spec.quantization  # ... although the engine's config has one
+
+
+def test_accepted_fields_that_are_not_acted_on_are_still_accepted(server: Running) -> None:
+    """Extra fields are refused by name (BAD_REQUESTS), except the ones clients send today that the server
+    accepts without acting on (protocol.ACCEPTED_UNUSED: the lead decides each); lm-eval's and AIPerf's requests
+    go through."""
+    chat_only = {"tools", "tool_choice", "parallel_tool_calls", "top_logprobs"}
+    for name in ACCEPTED_UNUSED:
+        path, body = (
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+            if name in chat_only
+            else ("/v1/completions", {"prompt": "hi"})
+        )
+        response = post(server.url, {**greedy(1), **body, name: None}, path=path)
+        assert response.status_code == 200, (name, response.text)
+    lm_eval = {**greedy(2), "prompt": "Q: 2+2?\nA:", "stop": ["\n"], "seed": 1234}
+    aiperf = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "ignore_eos": True,
+        "min_tokens": 2,
+    }
+    assert post(server.url, lm_eval).status_code == 200
+    assert post(server.url, aiperf, path="/v1/chat/completions").status_code == 200
+
+
+# -- vLLM's /tokenize and /detokenize, /version -----------------------------------------------------------------
+def test_tokenize_and_detokenize_in_vllms_shapes(server: Running, tokenizer: Any) -> None:
+    text = "The build farm 🦙"
+    ids = tokenizer.encode(text)
+    out = post(server.url, {"model": MODEL, "prompt": text}, path="/tokenize")
+    assert out.status_code == 200, out.text
+    assert out.json() == {"count": len(ids), "max_model_len": MAX_SEQ_LEN, "tokens": ids}
+    bare = post(server.url, {"prompt": text, "add_special_tokens": False, "return_token_strs": True}, path="/tokenize")
+    assert bare.json()["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert bare.json()["token_strs"] == tokenizer.convert_ids_to_tokens(bare.json()["tokens"])
+    back = post(server.url, {"model": MODEL, "tokens": bare.json()["tokens"]}, path="/detokenize")
+    assert back.status_code == 200 and back.json() == {"prompt": text}
+
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = post(server.url, {"messages": messages}, path="/tokenize").json()
+    prompt_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    prompt_ids = prompt_ids["input_ids"] if hasattr(prompt_ids, "keys") else prompt_ids
+    assert chat["tokens"] == list(prompt_ids)  # what /v1/chat/completions feeds the model
+    served = server.client().chat.completions.create(model=MODEL, messages=messages, max_tokens=1)  # type: ignore[arg-type]
+    assert served.usage is not None and served.usage.prompt_tokens == chat["count"]
+    no_gen = post(server.url, {"messages": messages, "add_generation_prompt": False}, path="/tokenize").json()
+    assert no_gen["count"] < chat["count"]
+
+
+def test_tokenize_detokenize_and_version_need_a_key(keyed: Running, engine_sha256: str) -> None:
+    for path, body in [("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [5]})]:
+        assert error_of(post(keyed.url, body, path=path), 401)["type"] == "authentication_error"
+        assert post(keyed.url, body, key=KEYS["alice"], path=path).status_code == 200
+    assert httpx.get(f"{keyed.url}/version", timeout=TIMEOUT).status_code == 401
+    version = httpx.get(f"{keyed.url}/version", headers={"Authorization": f"Bearer {KEYS['alice']}"}, timeout=TIMEOUT)
+    assert version.status_code == 200
+    body = version.json()
+    manifest = json.loads((keyed.state.spec.engine_dir / "manifest.json").read_text())
+    assert body["version"] == __version__
+    assert body["engine"]["sha256"] == engine_sha256
+    assert body["engine"]["created_utc"] == manifest["created_utc"]
+    assert body["engine"]["built_by"]["version"] == manifest["toolchain"]["version"]
 
 
 # -- 2. concurrency ---------------------------------------------------------------------------------------------
@@ -526,18 +601,55 @@ BAD_REQUESTS: list[tuple[str, str, Any, str | None, str]] = [  # what, path, bod
     ("n=2", "/v1/completions", {**greedy(1), "prompt": "x", "n": 2}, "n", ""),
     ("empty messages", "/v1/chat/completions", {**greedy(1), "messages": []}, "messages", ""),
     ("unknown role", "/v1/chat/completions", {**greedy(1), "messages": [{"role": "robot"}]}, "messages.0.role", ""),
+    ("misspelt field", "/v1/completions", {**greedy(1), "prompt": "x", "max_token": 5}, "max_token", "unknown field"),
+    ("unknown chat field", "/v1/chat/completions", {**greedy(1), "messages": [], "temprature": 0}, "temprature", ""),
+    ("tokenize both", "/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt", "one"),
+    ("tokenize neither", "/tokenize", {"model": MODEL}, "prompt", "exactly one"),
+    ("tokenize unknown field", "/tokenize", {"prompt": "x", "add_bos": True}, "add_bos", "add_special_tokens"),
+    ("tokenize other model", "/tokenize", {"model": "gpt-9", "prompt": "x"}, "model", "gpt-9"),
+    ("detokenize outside vocab", "/detokenize", {"tokens": [5, 10**6]}, "tokens", "vocabulary"),
+    ("detokenize not ids", "/detokenize", {"tokens": "hello"}, "tokens", ""),
 ]
+
+
+class LogLines(logging.Handler):
+    """The server's JSON log lines (logger trtbuild.serve), parsed."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(ValueError):
+            self.lines.append(json.loads(record.getMessage()))
+
+
+@contextlib.contextmanager
+def server_log() -> Iterator[LogLines]:
+    logger, handler = logging.getLogger("trtbuild.serve"), LogLines()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server: Running) -> None:
     before = server.metrics()
-    for what, path, body, param, said in BAD_REQUESTS:
-        response = post(server.url, body, path=path)
-        assert response.status_code == 400, (what, response.text)
-        error = error_of(response, 400)
-        assert error["type"] == "invalid_request_error", what
-        assert error["param"] == param, (what, error)
-        assert said in error["message"], (what, error)
+    with server_log() as logged:
+        for what, path, body, param, said in BAD_REQUESTS:
+            response = post(server.url, body, path=path)
+            assert response.status_code == 400, (what, response.text)
+            error = error_of(response, 400)
+            assert error["type"] == "invalid_request_error", what
+            assert error["param"] == param, (what, error)
+            assert said in error["message"], (what, error)
+    # one log line per rejected request, as per admitted one (docs/serving.md), naming the field
+    refused = [line for line in logged.lines if line.get("event") == "request"]
+    assert [(line["status"], line["param"]) for line in refused] == [(400, b[3]) for b in BAD_REQUESTS]
     after = server.metrics()
     for name, labels, more in [
         ("trtbuild_rejections_total", {"reason": "bad_request"}, len(BAD_REQUESTS)),

@@ -23,18 +23,20 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from toolchain import __version__
 from toolchain.engine.api import Engine
 from toolchain.runtime.llm_engine import EngineFailed, LLMEngine, RequestStream, engine_health
 from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent
@@ -55,13 +57,17 @@ from toolchain.serve.metrics import Metrics
 from toolchain.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     completion_body,
     new_id,
     usage,
 )
 
 log = logging.getLogger("trtbuild.serve")
+_Body = TypeVar("_Body", bound=BaseModel)
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
 # below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
 # of them would fail the step, and with it every request in the batch
@@ -109,6 +115,7 @@ class ServerState:
     def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions, keys: list[ApiKey] | None):
         self.engine, self.spec, self.tokenizer, self.options = engine, engine.spec, tokenizer, options
         self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
+        self.manifest = _read_manifest(engine.spec.engine_dir)
         self.llm = LLMEngine(engine, tokenizer)
         self.metrics = Metrics(engine.spec, self.model_name)
         self.llm.on_step = self.metrics.observe_step
@@ -204,14 +211,34 @@ def _error(e: ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
+def _log_refusal(request: Request, e: ApiError) -> None:
+    """The one log line of a request answered with an error before (or instead of) generating: admitted requests
+    log theirs when they end (`_finish`)."""
+    if e.logged:
+        return
+    line = {
+        "event": "request",
+        "path": request.url.path,
+        "key_id": getattr(request.state, "key_id", None),
+        "status": e.status,
+        "error": e.type,
+        "param": e.param,
+        "message": e.message,
+    }
+    log.info(json.dumps(line, ensure_ascii=False))
+
+
 def _install_handlers(app: FastAPI, state: ServerState) -> None:
     @app.exception_handler(ApiError)
-    async def api_error(_: Request, e: ApiError) -> JSONResponse:
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        _log_refusal(request, e)
         return _error(e)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's shape too
-        return _error(ApiError(e.status_code, str(e.detail), "invalid_request_error"))
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:  # 404, 405: OpenAI's shape
+        error = ApiError(e.status_code, str(e.detail), "invalid_request_error")
+        _log_refusal(request, error)
+        return _error(error)
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, e: Exception) -> JSONResponse:
@@ -275,18 +302,65 @@ def _install_openai(app: FastAPI, state: ServerState) -> None:
     async def models(request: Request) -> JSONResponse:
         _authorize(state, request)
         spec = state.spec
-        card = {
+        card: dict[str, Any] = {
             "id": state.model_name,
             "object": "model",
-            "created": 0,
+            "created": _created(state.manifest),
             "owned_by": "trtbuild",
             "max_model_len": spec.limits.max_seq_len,
             "engine_sha256": spec.manifest_sha256,
-            "recipe_sha256": _recipe_sha256(spec.engine_dir),
-            "quantization": dict(spec.quantization),
+            "recipe_sha256": _recipe_sha256(state.manifest),
             "backend": spec.backend,
         }
+        if _quantized(spec.quantization):  # TensorRT-LLM's block lists defaults (group_size...) even when unquantized
+            card["quantization"] = dict(spec.quantization)
         return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/version")
+    async def version(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        built_by = state.manifest.get("toolchain")
+        engine = {
+            "sha256": state.spec.manifest_sha256,
+            "recipe_sha256": _recipe_sha256(state.manifest),
+            "created_utc": state.manifest.get("created_utc"),
+            "built_by": built_by if isinstance(built_by, dict) else None,
+            "backend": state.spec.backend,
+        }
+        return JSONResponse({"version": __version__, "engine": engine})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        body = await _parse(state, request, TokenizeRequest)
+        try:
+            _check_model(state, body.model)
+            ids = _tokenize(state, body)
+        except ApiError as e:
+            raise _reject(state, "bad_request", e) from e
+        out: dict[str, Any] = {"count": len(ids), "max_model_len": state.spec.limits.max_seq_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return JSONResponse(out)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        body = await _parse(state, request, DetokenizeRequest)
+        try:
+            _check_model(state, body.model)
+            tok = _need_tokenizer(state, "tokens")
+            bad = [t for t in body.tokens if not 0 <= t < state.spec.vocab_size]
+            if bad:
+                raise ApiError(
+                    400,
+                    f"token ids {bad[:5]} are outside this engine's vocabulary [0, {state.spec.vocab_size})",
+                    param="tokens",
+                )
+            text = tok.decode(body.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        except ApiError as e:
+            raise _reject(state, "bad_request", e) from e
+        return JSONResponse({"prompt": str(text)})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -297,12 +371,54 @@ def _install_openai(app: FastAPI, state: ServerState) -> None:
         return await _generate(state, request, chat=True)
 
 
-def _recipe_sha256(engine_dir: Path) -> str | None:
+def _read_manifest(engine_dir: Path) -> dict[str, Any]:
+    """The engine dir's manifest.json (serve verified it before loading), or {} where an engine has none."""
     try:
-        value = json.loads((engine_dir / "manifest.json").read_text()).get("recipe_sha256")
-        return str(value) if value else None
+        value = json.loads((engine_dir / "manifest.json").read_text())
     except (OSError, ValueError):
-        return None
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _recipe_sha256(manifest: dict[str, Any]) -> str | None:
+    value = manifest.get("recipe_sha256")
+    return str(value) if value else None
+
+
+def _created(manifest: dict[str, Any]) -> int:
+    """The engine's build time (its manifest's created_utc) in Unix seconds, as OpenAI's `created`; 0 if unknown."""
+    try:
+        return int(datetime.fromisoformat(str(manifest["created_utc"])).timestamp())
+    except (KeyError, ValueError):
+        return 0
+
+
+def _quantized(quantization: Any) -> bool:
+    return bool(quantization.get("quant_algo") or quantization.get("kv_cache_quant_algo"))
+
+
+def _check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model != state.model_name:
+        raise ApiError(
+            400, f"model {model!r} is not served here; this server serves {state.model_name!r}", param="model"
+        )
+
+
+def _need_tokenizer(state: ServerState, param: str) -> Any:
+    if state.tokenizer is None:
+        raise ApiError(400, "this engine has no tokenizer: send token ids", param=param)
+    return state.tokenizer
+
+
+def _tokenize(state: ServerState, body: TokenizeRequest) -> list[int]:
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of prompt and messages", param="prompt")
+    if body.messages is not None:
+        ids = _chat_ids(state, body.messages, body.add_generation_prompt, bool(body.add_special_tokens))
+        return ids
+    tok = _need_tokenizer(state, "prompt")
+    add = True if body.add_special_tokens is None else body.add_special_tokens
+    return [int(t) for t in tok.encode(body.prompt, add_special_tokens=add)]
 
 
 def _reject(state: ServerState, reason: str, error: ApiError) -> ApiError:
@@ -313,8 +429,11 @@ def _reject(state: ServerState, reason: str, error: ApiError) -> ApiError:
 def _authorize(state: ServerState, request: Request) -> str:
     """The key id of the request's API key (ANONYMOUS without --api-keys)."""
     if state.keyring is None:
+        request.state.key_id = ANONYMOUS
         return ANONYMOUS
     key = state.keyring.identify(request.headers.get("authorization"))
+    if key is not None:
+        request.state.key_id = key.id
     if key is None:
         raise _reject(
             state,
@@ -324,42 +443,52 @@ def _authorize(state: ServerState, request: Request) -> str:
     return key.id
 
 
-async def _parse(state: ServerState, request: Request, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+async def _parse(state: ServerState, request: Request, model: type[_Body]) -> _Body:
     try:
         raw = await request.json()
     except ClientDisconnect as e:  # gone before its body arrived: nobody to answer
         raise ApiError(499, "the client disconnected", "client_closed") from e
     except (ValueError, UnicodeDecodeError) as e:
         raise _reject(state, "bad_request", ApiError(400, f"the body is not valid JSON ({e})")) from e
-    model = ChatCompletionRequest if chat else CompletionRequest
     try:
         return model.model_validate(raw)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
-        raise _reject(state, "bad_request", ApiError(400, f"{where}: {first['msg']}", param=where)) from e
+        message = f"{where}: {first['msg']}"
+        if first["type"] == "extra_forbidden":
+            known = ", ".join(model.model_fields)
+            message = f"unknown field {where!r}: this endpoint accepts {known} (docs/serving.md)"
+        raise _reject(state, "bad_request", ApiError(400, message, param=where)) from e
 
 
 def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        if not body.messages:
-            raise ApiError(400, "messages is empty", param="messages")
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
-            out = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        except (TemplateError, TypeError, ValueError) as e:  # e.g. "roles must alternate": the messages' fault
-            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(t) for t in ids]
+        return _chat_ids(state, body.messages, True, False)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         if tok is None:
             raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
         return list(tok.encode(prompt))
     return [int(t) for t in prompt]
+
+
+def _chat_ids(
+    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+) -> list[int]:
+    """The messages through the tokenizer's chat template (whose text carries the BOS where the model wants one)."""
+    tok = state.tokenizer
+    if not messages:
+        raise ApiError(400, "messages is empty", param="messages")
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
+    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    try:
+        text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+    except (TemplateError, TypeError, ValueError) as e:  # e.g. "roles must alternate": the messages' fault
+        raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
+    return [int(t) for t in tok.encode(str(text), add_special_tokens=add_special_tokens)]
 
 
 def _sampling(state: ServerState, body: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> SamplingParams:
@@ -392,12 +521,11 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     arrived = time.monotonic()
     _check_open(state)
     key_id = _authorize(state, request)
-    body = await _parse(state, request, chat)
+    body: CompletionRequest | ChatCompletionRequest = await _parse(
+        state, request, ChatCompletionRequest if chat else CompletionRequest
+    )
     try:
-        if body.model != state.model_name:
-            raise ApiError(
-                400, f"model {body.model!r} is not served here; this server serves {state.model_name!r}", param="model"
-            )
+        _check_model(state, body.model)
         body.refuse_unsupported()
         ids = _prompt_ids(state, body)
         params = _sampling(state, body, ids)
@@ -515,6 +643,7 @@ async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, req
     assert a.final is not None
     error = _finish_error(state, a.final)
     if error is not None:
+        error.logged = True  # _finish wrote its line
         raise error
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
     return JSONResponse(completion_body(a.id, model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False))

@@ -24,6 +24,7 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
         self.headers: dict[str, str] = {}
+        self.logged = False  # its request's log line is written already (an admitted request that failed)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
@@ -33,8 +34,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# Fields OpenAI or vLLM define that clients send (AIPerf: ignore_eos, min_tokens; apps: user, metadata) and that this
+# server accepts without acting on them today (issue 29, item 2 decides each: honour or refuse). Any other unknown
+# field is refused by name: a misspelt `max_token` must not silently fall back to the default.
+ACCEPTED_UNUSED = (
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "ignore_eos",
+    "min_tokens",
+    "response_format",
+    "suffix",  # completions only
+    "tools",  # chat only, as the next three
+    "tool_choice",
+    "parallel_tool_calls",
+    "top_logprobs",
+)
+
+
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send fields we do not act on (user, metadata...)
+    model_config = ConfigDict(extra="forbid")  # every accepted field is declared below
 
     model: str
     max_tokens: int | None = None
@@ -49,6 +72,17 @@ class _Sampling(BaseModel):
     logprobs: Any = None
     echo: bool = False
     best_of: int | None = None
+    # accepted, not acted on (ACCEPTED_UNUSED)
+    user: Any = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    ignore_eos: Any = None
+    min_tokens: Any = None
+    response_format: Any = None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1 or (self.best_of is not None and self.best_of != 1):
@@ -68,6 +102,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
+    suffix: Any = None  # accepted, not acted on (ACCEPTED_UNUSED)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -97,6 +132,33 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
+    # accepted, not acted on (ACCEPTED_UNUSED)
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    top_logprobs: Any = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a completion prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # vLLM's defaults: True for a prompt, False for messages
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:
