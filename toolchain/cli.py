@@ -620,8 +620,9 @@ def serve(
         typer.Option("--log-requests", help="Put prompt and output text in the request log (off: ids and counts)."),
     ] = False,
 ) -> None:
-    """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), health and
-    readiness probes, Prometheus metrics under vLLM's names, API keys, per-key rate limits and graceful drain."""
+    """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), vLLM's
+    /tokenize and /detokenize, /version, health and readiness probes, Prometheus metrics under vLLM's names, API keys,
+    per-key rate limits and graceful drain."""
     from toolchain.serve.app import ServeOptions
     from toolchain.serve.server import serve as run_server
 
