@@ -111,3 +111,32 @@ def test_runtime_events_carry_the_text_the_output_adds(family: str, request: pyt
             rt.add_request(prompt, params, on_event=events.append)
             rt.run()
             assert "".join(e.text for e in events) == want[: want.find(stop)], seed
+
+
+def test_generate_on_stories_keeps_the_first_words_space(
+    cli: Any, stories: Any, sentencepiece: Any, tmp_path: Any
+) -> None:
+    """The issue's report, end to end: `trtbuild generate` on stories260K (SentencePiece) gives the text
+    transformers' greedy output adds to the prompt, its leading space included."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from toolchain.checkpoint.convert import convert
+    from toolchain.engine.build import BuildOptions, build_engine
+
+    convert(stories, tmp_path / "ckpt")
+    build_engine(tmp_path / "ckpt", tmp_path / "engine", BuildOptions(backend="onnxruntime", max_seq_len=64))
+    prompt, new = "Once upon a time, there was a dog named", 8
+    ids = sentencepiece(prompt, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(stories, dtype=torch.float32)
+    out = model.generate(ids, max_new_tokens=new, do_sample=False)[0].tolist()
+    full = sentencepiece.decode(out, skip_special_tokens=True)
+    want = full[len(sentencepiece.decode(ids[0].tolist(), skip_special_tokens=True)) :]
+    assert want.startswith(" ")  # the model's first token starts a word
+    done = cli("generate", tmp_path / "engine", "--prompt", prompt, "--max-new-tokens", str(new), "--json")
+    assert done.exit_code == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["tokens"] == out[ids.shape[1] :]
+    assert result["text"] == want
