@@ -21,6 +21,15 @@ P95_MAX = 1e-4
 MEAN_MAX = 1e-4  # weight-only formats
 TOP1_MIN = 0.99
 SHORT_ROW = 8  # tokens per row where activations are quantized
+# A Llama's HF projections behind each of our linears (fused in this order), and all of them
+PARTS_OF = {
+    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "attention.dense": ("self_attn.o_proj",),
+    "mlp.fc": ("mlp.gate_proj",),
+    "mlp.gate": ("mlp.up_proj",),
+    "mlp.proj": ("mlp.down_proj",),
+}
+HF_LINEARS = tuple(p for parts in PARTS_OF.values() for p in parts)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import torch
 from conftest import STORIES, save_random_llama
 from safetensors.torch import load_file
 
-from tests.prequant.harness import token_rows
+from tests.prequant.harness import PARTS_OF, token_rows
 from toolchain.checkpoint.trtllm import read_config
 from toolchain.quantize.methods.base import Stored, quantized_prefix
 from toolchain.quantize.methods.registry import by_algo
@@ -89,13 +89,6 @@ def produce(root: Path, producer: str, variant: str) -> Produced:
 
 
 # our fused linears -> the HF projections they hold, in row order (checkpoint/llama.py LAYER_TABLE)
-PARTS_OF = {
-    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attention.dense": ("self_attn.o_proj",),
-    "mlp.fc": ("mlp.gate_proj",),
-    "mlp.gate": ("mlp.up_proj",),
-    "mlp.proj": ("mlp.down_proj",),
-}
 
 
 def dequantized(out: Path) -> dict[str, torch.Tensor]:

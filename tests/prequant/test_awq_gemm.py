@@ -21,6 +21,7 @@ from safetensors.numpy import load_file as load_np
 from safetensors.numpy import save_file as save_np
 from safetensors.torch import load_file
 
+from tests.prequant.harness import HF_LINEARS, PARTS_OF
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.prequant.codecs import AWQ_ORDER, AWQ_REVERSE_ORDER, pack_int32
 from toolchain.errors import UserError
@@ -28,15 +29,6 @@ from toolchain.quantize.methods.base import Stored
 from toolchain.quantize.methods.registry import by_algo
 
 G = 32
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
-FUSED = {
-    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attention.dense": ("self_attn.o_proj",),
-    "mlp.fc": ("mlp.gate_proj",),
-    "mlp.gate": ("mlp.up_proj",),
-    "mlp.proj": ("mlp.down_proj",),
-}
 
 
 def independent_unpack(words: np.ndarray) -> np.ndarray:
@@ -55,7 +47,7 @@ def write_awq(float_dir: Path, out: Path, config: dict[str, Any] | None = None, 
     written: dict[str, np.ndarray] = {}
     for name, t in load_np(str(float_dir / "model.safetensors")).items():
         prefix = name.removesuffix(".weight")
-        if not any(prefix.endswith(lin) for lin in LINEARS):
+        if not any(prefix.endswith(lin) for lin in HF_LINEARS):
             written[name] = t
             continue
         o, i = t.shape
@@ -90,7 +82,7 @@ def test_awq_gemm_reads_exactly(tmp_path: Path) -> None:
     ours = load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     method, checked = by_algo("W4A16_GPTQ"), 0
     for layer in range(config["num_hidden_layers"]):
-        for dst, parts in FUSED.items():
+        for dst, parts in PARTS_OF.items():
             prefix = f"transformer.layers.{layer}.{dst}"
             own = {n: t for n, t in ours.items() if n.startswith(f"{prefix}.")}
             got = method.dequantize(Stored(prefix, own, own[f"{prefix}.weight"].shape[1], G))
@@ -101,7 +93,7 @@ def test_awq_gemm_reads_exactly(tmp_path: Path) -> None:
                 want.append(torch.from_numpy(w.T))
             assert torch.equal(got, torch.cat(want)), prefix
             checked += 1
-    assert checked == 2 * len(FUSED)
+    assert checked == 2 * len(PARTS_OF)
     source = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())["details"]["quantization_source"]
     assert source["format"] == "awq" and source["quant_algo"] == "W4A16_GPTQ"
 
@@ -161,7 +153,7 @@ def test_dequantize_writes_the_float_weights(tmp_path: Path, cli: Any) -> None:
     ours = load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     assert not [n for n in ours if "scaling_factor" in n or "zero_point" in n]
     for layer in range(config["num_hidden_layers"]):
-        for dst, parts in FUSED.items():
+        for dst, parts in PARTS_OF.items():
             want = []
             for p in parts:
                 q, z, s = known[f"model.layers.{layer}.{p}"]

@@ -26,20 +26,12 @@ from safetensors.numpy import load_file as load_np
 from safetensors.numpy import save_file as save_np
 from safetensors.torch import load_file
 
+from tests.prequant.harness import HF_LINEARS, PARTS_OF
 from toolchain.checkpoint.convert import convert
 from toolchain.errors import UserError
 from toolchain.quantize.methods.base import Stored
 from toolchain.quantize.methods.registry import by_algo
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
-FUSED = {
-    "attention.qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attention.dense": ("self_attn.o_proj",),
-    "mlp.fc": ("mlp.gate_proj",),
-    "mlp.gate": ("mlp.up_proj",),
-    "mlp.proj": ("mlp.down_proj",),
-}
 # q 256 rows, k and v 128 (head_dim 64): whole blocks of 128, so q/k/v fuse; intermediate 384 = 3 blocks
 SIZES = {"hidden_size": 256, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -64,7 +56,7 @@ def write_block_fp8(float_dir: Path, out: Path, b: int, config: dict[str, Any] |
     written: dict[str, np.ndarray] = {}
     for name, t in tensors.items():
         prefix = name.removesuffix(".weight")
-        if any(prefix.endswith(lin) for lin in LINEARS):
+        if any(prefix.endswith(lin) for lin in HF_LINEARS):
             written[name], written[f"{prefix}.weight_scale_inv"] = block_quantize(t, b)
         else:
             written[name] = t
@@ -90,7 +82,7 @@ def _read_back(ckpt: Path, hf: Path, b: int, reference: Any) -> int:
     assert config["quantization"]["quant_algo"] == "FP8_BLOCK_SCALES" and config["quantization"]["group_size"] == b
     method, checked = by_algo("FP8_BLOCK_SCALES"), 0
     for layer in range(config["num_hidden_layers"]):
-        for dst, parts in FUSED.items():
+        for dst, parts in PARTS_OF.items():
             prefix = f"transformer.layers.{layer}.{dst}"
             own = {n: t for n, t in ours.items() if n.startswith(f"{prefix}.")}
             got = method.dequantize(Stored(prefix, own, own[f"{prefix}.weight"].shape[1], b))
@@ -104,7 +96,7 @@ def _read_back(ckpt: Path, hf: Path, b: int, reference: Any) -> int:
 def test_block_fp8_reads_as_transformers_dequantizes(tmp_path: Path) -> None:
     hf = write_block_fp8(save_random_llama(tmp_path / "float", **SIZES), tmp_path / "fp8", 128)
     convert(hf, tmp_path / "ckpt")
-    assert _read_back(tmp_path / "ckpt", hf, 128, transformers_dequantize) == 2 * len(FUSED)
+    assert _read_back(tmp_path / "ckpt", hf, 128, transformers_dequantize) == 2 * len(PARTS_OF)
     w = load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     assert w["transformer.layers.0.attention.qkv.weights_scaling_factor"].shape == (4, 2)  # (256+128+128)/128, 2
     assert w["lm_head.weight"].dtype == torch.float32  # modules_to_not_convert
@@ -122,7 +114,7 @@ def test_partial_edge_blocks_read_by_the_layouts_definition(tmp_path: Path) -> N
         full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[: weight.shape[0], : weight.shape[1]]
         return weight.float() * full
 
-    assert _read_back(tmp_path / "ckpt", hf, 128, definition) == 2 * len(FUSED)
+    assert _read_back(tmp_path / "ckpt", hf, 128, definition) == 2 * len(PARTS_OF)
     w = load_file(str(tmp_path / "ckpt" / "rank0.safetensors"))
     assert w["transformer.layers.0.mlp.proj.weights_scaling_factor"].shape == (2, 3)
 

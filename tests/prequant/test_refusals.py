@@ -17,10 +17,9 @@ import pytest
 from conftest import save_random_llama
 from safetensors.numpy import load_file, save_file
 
+from tests.prequant.harness import HF_LINEARS
 from toolchain.checkpoint.convert import convert
 
-LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-           "mlp.up_proj", "mlp.down_proj")  # fmt: skip
 Tensors = dict[str, np.ndarray]
 
 
@@ -31,7 +30,7 @@ def modelopt_nvfp4(float_dir: Path, out: Path, edit: Callable[[Tensors, dict[str
     t: Tensors = {}
     for name, w in load_file(str(float_dir / "model.safetensors")).items():
         prefix = name.removesuffix(".weight")
-        if not any(prefix.endswith(lin) for lin in LINEARS):
+        if not any(prefix.endswith(lin) for lin in HF_LINEARS):
             t[name] = w
             continue
         o, i = w.shape
