@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import json
 import logging
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -31,188 +29,30 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.serve.helpers import (
+    KEYS,
+    MAX_SEQ_LEN,
+    MODEL,
+    TIMEOUT,
+    Running,
+    error_of,
+    free_port,
+    greedy,
+    metric,
+    post,
+    running,
+    sse_events,
+    status_of,
+    wait_until,
+)
 from toolchain import __version__
-from toolchain.checkpoint.convert import convert
-from toolchain.checkpoint.tiny import make_tiny_llama
 from toolchain.engine.api import load_tokenizer, open_engine
-from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
 from toolchain.serve import ENGINE_HEADER
-from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
+from toolchain.serve.app import start_warm_up
 from toolchain.serve.protocol import ACCEPTED_UNUSED
-from toolchain.serve.server import DrainingServer, prepare
-
-MAX_SEQ_LEN = 128
-MODEL = "tiny-serve"  # --served-model-name of the in-process servers
-TIMEOUT = 30.0  # seconds, for every client call and wait: a test fails rather than hangs
-KEYS = {"alice": "sk-alice-5f0c2b7e", "slow": "sk-slow-91d4a3c0", "thrifty": "sk-thrifty-0be77f12"}
-LIMITS = {"alice": "", "slow": ":rpm=2", "thrifty": ":tpm=100"}
-
-
-# -- fixtures ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("serve")
-    make_tiny_llama(tmp / "hf")
-    convert(tmp / "hf", tmp / "ckpt")
-    return tmp / "ckpt"
-
-
-def _build(checkpoint: Path, name: str, max_batch_size: int) -> Path:
-    opts = BuildOptions(
-        backend="onnxruntime", max_seq_len=MAX_SEQ_LEN, max_batch_size=max_batch_size, max_num_tokens=512
-    )
-    build_engine(checkpoint, checkpoint.parent / name, opts)
-    return checkpoint.parent / name
-
-
-@pytest.fixture(scope="module")
-def engine_dir(checkpoint: Path) -> Path:
-    return _build(checkpoint, "engine", max_batch_size=16)
-
-
-@pytest.fixture(scope="module")
-def one_at_a_time(checkpoint: Path) -> Path:
-    """An engine that runs one sequence at a time: a second request waits, a third finds the queue full."""
-    return _build(checkpoint, "engine-batch1", max_batch_size=1)
-
-
-@pytest.fixture(scope="module")
-def engine_sha256(engine_dir: Path) -> str:
-    return hashlib.sha256((engine_dir / "manifest.json").read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(engine_dir: Path) -> Any:
-    return load_tokenizer(engine_dir)
-
-
-@pytest.fixture(scope="module")
-def keys_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("keys") / "api-keys"
-    lines = [f"{kid}:{hashlib.sha256(key.encode()).hexdigest()}{LIMITS[kid]}" for kid, key in KEYS.items()]
-    path.write_text("# id:sha256hex(key)[:limits]\n" + "\n".join(lines) + "\n")
-    return path
-
-
-@dataclass
-class Running:
-    state: ServerState
-    port: int
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def client(self, key: str = "unused") -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key, timeout=TIMEOUT, max_retries=0)
-
-    def metrics(self) -> str:
-        response = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT)
-        assert response.status_code == 200
-        return response.text
-
-
-@contextlib.contextmanager
-def running(engine_dir: Path, warm_up: bool = True, **options: Any) -> Iterator[Running]:
-    """A real server in this process on 127.0.0.1 (a port bound here first, so no race): ready when yielded, or
-    only alive with warm_up=False."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    state = prepare(engine_dir, ServeOptions(port=port, served_model_name=MODEL, **options))
-    config = uvicorn.Config(create_app(state), log_level="warning", access_log=False, lifespan="off")
-    server = DrainingServer(config, state)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()  # uvicorn installs signal handlers on the main thread only: none here
-    try:
-        if warm_up:
-            start_warm_up(state)
-            wait_until(lambda: _status(f"http://127.0.0.1:{port}/ready") == 200, "the server to be ready")
-        else:
-            wait_until(lambda: _status(f"http://127.0.0.1:{port}/health") == 200, "the server to answer")
-        yield Running(state, port)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=TIMEOUT)
-        state.llm.close()
-        sock.close()
-
-
-@pytest.fixture(scope="module")
-def server(engine_dir: Path) -> Iterator[Running]:
-    with running(engine_dir) as r:
-        yield r
-
-
-@pytest.fixture(scope="module")
-def keyed(engine_dir: Path, keys_file: Path) -> Iterator[Running]:
-    with running(engine_dir, api_keys=keys_file) as r:
-        yield r
-
-
-# -- helpers ----------------------------------------------------------------------------------------------------
-def wait_until(condition: Callable[[], bool], what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(0.05)
-
-
-def _status(url: str) -> int | None:
-    try:
-        return httpx.get(url, timeout=2.0).status_code
-    except httpx.TransportError:
-        return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The sum of the samples called `name` (as exposed: counters end in _total) whose labels include `labels`."""
-    values = [
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    ]
-    assert values, f"no sample {name}{labels} in /metrics"
-    return float(sum(values))
-
-
-def post(url: str, body: Any, key: str | None = None, path: str = "/v1/completions") -> httpx.Response:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    if isinstance(body, bytes):
-        return httpx.post(url + path, content=body, headers=headers, timeout=TIMEOUT)
-    return httpx.post(url + path, json=body, headers=headers, timeout=TIMEOUT)
-
-
-def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
-    """OpenAI's error JSON, exactly: {"error": {"message", "type", "param", "code"}}."""
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["code"] == status and body["error"]["message"]
-    return dict(body["error"])
-
-
-def sse_events(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
-    for line in lines:
-        if line.startswith("data: ") and line != "data: [DONE]":
-            yield json.loads(line[len("data: ") :])
-
-
-def greedy(max_tokens: int) -> dict[str, Any]:
-    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0}
 
 
 # -- 1. the official openai client ------------------------------------------------------------------------------
@@ -699,7 +539,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(engine_dir: Path, tmp_pa
             stderr=stderr,
         )
     try:
-        wait_until(lambda: proc.poll() is not None or _status(f"{url}/ready") == 200, "the CLI server to be ready", 60)
+        wait_until(
+            lambda: proc.poll() is not None or status_of(f"{url}/ready") == 200, "the CLI server to be ready", 60
+        )
         assert proc.poll() is None, log.read_text()
         new = MAX_SEQ_LEN - 8
         streams = [_Streamed() for _ in range(8)]  # a batch of 8: long enough to still run after the refusal
@@ -714,7 +556,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(engine_dir: Path, tmp_pa
             reader.start()
         assert all(s.started.wait(TIMEOUT) for s in streams), "the long requests never started streaming"
         proc.send_signal(signal.SIGTERM)
-        wait_until(lambda: _status(f"{url}/ready") == 503, "/ready to say 503 while draining", 10)
+        wait_until(lambda: status_of(f"{url}/ready") == 503, "/ready to say 503 while draining", 10)
         refused = post(url, {**greedy(2), "prompt": "too late"})
         refused_at = time.monotonic()
         assert error_of(refused, 503)["type"] == "unavailable" and refused.headers["Retry-After"] == "1"
@@ -830,9 +672,9 @@ def test_health_and_readiness_probes(server: Running) -> None:
 
 def test_ready_says_503_until_warmed_up(engine_dir: Path) -> None:
     with running(engine_dir, warm_up=False) as cold:
-        assert _status(f"{cold.url}/health") == 200
-        assert _status(f"{cold.url}/ready") == 503
+        assert status_of(f"{cold.url}/health") == 200
+        assert status_of(f"{cold.url}/ready") == 503
         assert error_of(post(cold.url, {**greedy(1), "prompt": "x"}), 503)["type"] == "unavailable"
         start_warm_up(cold.state)
-        wait_until(lambda: _status(f"{cold.url}/ready") == 200, "readiness after warm-up")
+        wait_until(lambda: status_of(f"{cold.url}/ready") == 200, "readiness after warm-up")
         assert post(cold.url, {**greedy(1), "prompt": "x"}).status_code == 200

@@ -22,6 +22,7 @@ generation (num_outputs = num_seqs), every token for evaluation (num_outputs = n
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,9 +103,14 @@ class Batch:
 
     @staticmethod
     def from_sequences(
-        new_tokens: list[list[int]], context_lens: list[int], block_tables: list[list[int]], all_logits: bool = False
+        new_tokens: list[list[int]],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        all_logits: bool | Sequence[bool] = False,
     ) -> Batch:
-        """Pack per-sequence new tokens (each after `context_lens[s]` cached ones) into one call."""
+        """Pack per-sequence new tokens (each after `context_lens[s]` cached ones) into one call. Output rows: the
+        last new token's of each sequence, or every new token's for the sequences `all_logits` names (all of them
+        when it is True)."""
         new_lens = np.fromiter(map(len, new_tokens), dtype=np.int32, count=len(new_tokens))
         ctx = np.asarray(context_lens, dtype=np.int32)
         ids = np.fromiter(itertools.chain.from_iterable(new_tokens), dtype=np.int32, count=int(new_lens.sum()))
@@ -115,7 +121,19 @@ class Batch:
         tables[np.arange(tables.shape[1])[None, :] < used[:, None]] = np.fromiter(
             itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(used.sum())
         )
-        index = np.arange(ids.shape[0], dtype=np.int32) if all_logits else (np.cumsum(new_lens) - 1).astype(np.int32)
+        if isinstance(all_logits, bool):
+            every = all_logits
+        else:  # some sequences (prompt logprobs) want every position, the others their last
+            flags = np.asarray(all_logits, dtype=bool)
+            every = bool(flags.all())
+            if flags.any() and not every:
+                ends = np.cumsum(new_lens)
+                rows = [
+                    np.arange(e - n, e) if f else np.asarray([e - 1])
+                    for e, n, f in zip(ends, new_lens, flags, strict=True)
+                ]
+                return Batch(ids, pos, ctx, new_lens, tables, np.concatenate(rows).astype(np.int32))
+        index = np.arange(ids.shape[0], dtype=np.int32) if every else (np.cumsum(new_lens) - 1).astype(np.int32)
         return Batch(ids, pos, ctx, new_lens, tables, index)
 
     def feeds(self) -> dict[str, np.ndarray]:

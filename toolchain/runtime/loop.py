@@ -13,11 +13,17 @@ import itertools
 import time
 from collections.abc import Callable
 
+import numpy as np
+import torch
+
 from toolchain.engine.api import Engine, Limits
 from toolchain.engine.contract import Batch
+from toolchain.runtime import logprobs
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.detokenizer import Decoder, IncrementalDetokenizer
-from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent
+from toolchain.runtime.guided import Guide
+from toolchain.runtime.processors import build_pipeline
+from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent, TokenLogprob
 from toolchain.runtime.sampler import sample
 from toolchain.runtime.scheduler import Scheduler
 
@@ -52,6 +58,7 @@ class Runtime:
         self._outbox: list[tuple[Request, TokenEvent]] = []
         self._deadlines: list[tuple[float, int, Request]] = []  # heap
         self._order = itertools.count()  # ties between equal deadlines, without comparing requests
+        self.guide = Guide(tokenizer, engine.vocab_size)  # structured output
 
     # -- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
@@ -64,6 +71,8 @@ class Runtime:
             return "stop strings need a tokenizer in the runtime"
         if not all(0 <= t < vocab for t in prompt):
             return f"prompt has token ids outside the vocabulary [0, {vocab})"
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            return f"logit_bias names token ids outside the vocabulary [0, {vocab})"
         if total > self.limits.max_seq_len:
             return (
                 f"prompt {len(prompt)} + max_new_tokens {params.max_new_tokens} exceeds the engine's max_seq_len "
@@ -95,6 +104,9 @@ class Runtime:
             request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings, prompt=request.prompt)
         self.requests[request.id] = request
         problem = self.check_request(request.prompt, request.params)
+        if not problem:
+            request.pipeline = build_pipeline(request.params, request.prompt, self.engine.vocab_size)
+            problem = self.guide.add(request)
         if problem:
             self._retire(request, Status.FAILED, FinishReason.ERROR, problem)
         else:
@@ -123,15 +135,34 @@ class Runtime:
         if request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
         self.scheduler.free(request)
+        self.guide.release(request)
         request.status, request.finish_reason, request.error = status, reason, error
         request.finished_at = self.clock()
         self.requests.pop(request.id, None)
         self._emit(request, None, text, reason)
 
-    def _emit(self, request: Request, token: int | None, text: str, reason: FinishReason | None = None) -> None:
+    def _emit(
+        self,
+        request: Request,
+        token: int | None,
+        text: str,
+        reason: FinishReason | None = None,
+        logprob: TokenLogprob | None = None,
+    ) -> None:
         if request.on_event is not None:
+            prompt_lps = None
+            if request.params.prompt_logprobs is not None and not request.prompt_lps_sent and token is not None:
+                prompt_lps, request.prompt_lps_sent = tuple(request.prompt_lps), True
             event = TokenEvent(
-                request.id, token, text, reason, request.error, len(request.prompt), len(request.generated)
+                request.id,
+                token,
+                text,
+                reason,
+                request.error,
+                len(request.prompt),
+                len(request.generated),
+                logprob,
+                prompt_lps,
             )
             self._outbox.append((request, event))
 
@@ -183,15 +214,30 @@ class Runtime:
             if s.request.first_scheduled is None:
                 s.request.first_scheduled = now
                 self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
+        # sequences whose chunk needs every position's logits (prompt logprobs), and each sequence's output rows
+        every = [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
+        counts = [len(s.tokens) if e else 1 for s, e in zip(scheduled, every, strict=True)]
+        last = list(itertools.accumulate(counts))  # one past each sequence's last output row
         batch = Batch.from_sequences(
-            [s.tokens for s in scheduled], [s.context_len for s in scheduled], [s.request.blocks for s in scheduled]
+            [s.tokens for s in scheduled],
+            [s.context_len for s in scheduled],
+            [s.request.blocks for s in scheduled],
+            every if any(every) else False,
         )
-        sampled = [  # rows sampled on the host: temperature > 0 and the prompt complete after this step
-            i
-            for i, s in enumerate(scheduled)
-            if s.request.params.temperature != 0 and s.context_len + len(s.tokens) >= len(s.request.tokens)
-        ]
+        sampled: list[int] = []  # output rows whose logits come to the host: only for requests that need them
+        constrained: list[Request] = []
+        for i, s in enumerate(scheduled):
+            if every[i]:
+                sampled.extend(range(last[i] - counts[i], last[i]))
+            elif s.request.params.needs_host_logits and s.context_len + len(s.tokens) >= len(s.request.tokens):
+                sampled.append(last[i] - 1)
+            if s.request.params.grammar is not None and s.context_len + len(s.tokens) >= len(s.request.tokens):
+                constrained.append(s.request)
+        if constrained:
+            self.guide.begin(constrained)  # masks computed while the engine runs
         step = self.engine.forward_tokens(batch, self.pool, sampled)
+        if constrained:
+            self.guide.wait()
         greedy_ids = step.greedy.tolist()  # Python ints at once: indexing numpy per row costs ~10x more
         self.steps += 1
         for i, s in enumerate(scheduled):
@@ -199,16 +245,23 @@ class Runtime:
             if request.done:  # cancelled while this step ran
                 continue
             self.blocks.advance(request, len(s.tokens))
-            if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
-                continue
+            row = last[i] - 1
             try:
-                greedy = request.params.temperature == 0
-                token = greedy_ids[i] if greedy else sample(step.rows[i], request.params, request.generator)
+                if every[i]:
+                    logprobs.collect_prompt(
+                        request, s.context_len, [step.rows[r] for r in range(row - counts[i] + 1, row + 1)]
+                    )
+                if request.num_computed < len(request.tokens):  # a prefill chunk with more to come: no prediction yet
+                    continue
+                if request.params.needs_host_logits:
+                    token, logprob = self._choose(request, step.rows[row])
+                else:
+                    token, logprob = greedy_ids[row], None
             except (RuntimeError, ValueError) as e:  # this request's logits or parameters: not the batch's problem
                 self._retire(request, Status.FAILED, FinishReason.ERROR, f"sampling failed: {e}")
                 ended.append(request)
                 continue
-            self._accept(request, token, ended)
+            self._accept(request, token, ended, logprob)
         used = self.blocks.num_used / self.blocks.num_blocks
         self.peak_utilization = max(self.peak_utilization, used)
         if self.record_utilization:
@@ -216,8 +269,28 @@ class Runtime:
         self._flush()
         return ended
 
-    def _accept(self, request: Request, token: int, ended: list[Request]) -> None:
+    def _choose(self, request: Request, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
+        """The next token of a host row, from the engine's raw logits `row`: the grammar mask, the request's
+        pipeline, then sampling (or argmax); the logprob reported is the raw row's."""
+        p = request.params
+        scores = torch.from_numpy(np.asarray(row, dtype=np.float64))
+        if p.grammar is not None:
+            self.guide.mask(request, scores)
+        if request.pipeline is not None:
+            scores = request.pipeline.apply(scores, request)
+        token = sample(scores, p, request.generator)
+        return token, (logprobs.token_logprob(row, token, p.logprobs) if p.logprobs is not None else None)
+
+    def _accept(self, request: Request, token: int, ended: list[Request], logprob: TokenLogprob | None = None) -> None:
         """A sampled token: stream it, and retire the request if it stops here."""
+        if request.pipeline is not None:
+            request.pipeline.accepted(token)
+        if request.params.grammar is not None:
+            refused = self.guide.accept(request, token)
+            if refused:
+                self._retire(request, Status.FAILED, FinishReason.ERROR, f"structured output: {refused}")
+                ended.append(request)
+                return
         request.append(token)
         if request.first_token is None:
             request.first_token = self.clock()
@@ -233,14 +306,15 @@ class Runtime:
         elif len(request.generated) >= p.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason is None:
-            self._emit(request, token, text)
+            self._emit(request, token, text, logprob=logprob)
             return
         if detok is not None:
             text += detok.flush()
         request.status, request.finish_reason, request.finished_at = Status.FINISHED, reason, self.clock()
         self.scheduler.free(request)
+        self.guide.release(request)
         self.requests.pop(request.id, None)
-        self._emit(request, token, text, reason)
+        self._emit(request, token, text, reason, logprob)
         ended.append(request)
 
     def run(self) -> None:

@@ -8,6 +8,7 @@ import itertools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -23,6 +24,16 @@ class SamplingParams:
     seed: int | None = None  # None: a fresh random seed per request
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    # issue 29: fields after this line are keyword-only in practice (cli.py builds the first seven positionally)
+    logprobs: int | None = None  # raw logprobs of each generated token with this many alternatives (0: the token's)
+    prompt_logprobs: int | None = None  # the same for every prompt position after the first
+    presence_penalty: float = 0.0  # OpenAI: minus this once for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
+    repetition_penalty: float = 1.0  # HF/vLLM: over prompt and output, logit > 0 divided by it, else multiplied
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
+    min_p: float = 0.0  # vLLM: drop tokens whose probability is below min_p times the largest
+    grammar: GrammarSpec | None = None  # structured output: every token must keep the text inside the grammar
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -31,6 +42,48 @@ class SamplingParams:
             raise ValueError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed {self.seed}: must be in [0, 2**64)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} {value}: must be >= 0")
+        if self.repetition_penalty <= 0 or not 0 <= self.min_p <= 1 or self.min_tokens < 0:
+            raise ValueError("repetition_penalty > 0, 0 <= min_p <= 1 and min_tokens >= 0")
+
+    @property
+    def needs_host_logits(self) -> bool:
+        """Whether the token is chosen on the host from the full logits row: anything beyond a plain argmax. A plain
+        greedy request keeps the engine's own argmax (no logits leave the device for it)."""
+        return (
+            self.temperature != 0
+            or self.logprobs is not None
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.min_p > 0
+            or self.grammar is not None
+        )
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A structured-output constraint, compiled by runtime/guided.py: `kind` is one of guided.KINDS (json_schema,
+    json_object, regex, choice, grammar), `text` its source (a JSON schema as JSON text, a regex, choices as a JSON
+    list, a Lark grammar)."""
+
+    kind: str
+    text: str
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's raw logprob (log-softmax of the engine's logits, before any penalty, bias, mask or
+    temperature): the token, its logprob, and the `top` alternatives (id, logprob), best first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class FinishReason(str, enum.Enum):
@@ -95,6 +148,9 @@ class TokenEvent:
     error: str | None = None
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    logprob: TokenLogprob | None = None  # the new token's, when its request asked for logprobs
+    # on the request's first event, when it asked for prompt_logprobs: one per prompt position, None for the first
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -134,6 +190,11 @@ class Request:
     preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, grown as they fill
     registered: int = 0  # full blocks already offered to the prefix cache (BlockManager's, like `blocks`)
+    # host-side token choice (issue 29): built at admission by processors.build_pipeline; None for plain requests
+    pipeline: Any = None
+    guide_state: Any = None  # the grammar matcher, runtime/guided.py's
+    prompt_lps: list[TokenLogprob | None] = field(default_factory=list)  # prompt logprobs collected so far
+    prompt_lps_sent: bool = False
     tokens: list[int] = field(init=False)  # prompt + generated: what the model must have seen before the next sample
     seed: int = field(init=False)
     _generator: torch.Generator | None = field(init=False, default=None)

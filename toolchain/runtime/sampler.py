@@ -8,11 +8,11 @@ import torch
 from toolchain.runtime.request import SamplingParams
 
 
-def sample(logits: np.ndarray, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab]."""
+def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits [vocab] (float64 scores from the request's pipeline, or the engine's row)."""
     if params.temperature == 0:
-        return int(np.argmax(logits))
-    scores = torch.from_numpy(np.asarray(logits, dtype=np.float64))
+        return int(torch.argmax(logits)) if isinstance(logits, torch.Tensor) else int(np.argmax(logits))
+    scores = logits.double() if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float64))
     scores = (scores - scores.max()) / params.temperature  # max first: a tiny temperature cannot overflow to inf
     if params.top_k and params.top_k < scores.numel():  # exactly k tokens, ties at the k-th broken by index
         keep = torch.zeros_like(scores, dtype=torch.bool)

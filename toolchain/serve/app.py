@@ -16,6 +16,7 @@ an error (an SSE error event once a stream has begun), new ones get 503, and `se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -39,7 +40,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from toolchain import __version__
 from toolchain.engine.api import Engine
 from toolchain.runtime.llm_engine import EngineFailed, LLMEngine, RequestStream, engine_health
-from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent
+from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent, TokenLogprob
 from toolchain.serve import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HOST,
@@ -51,9 +52,13 @@ from toolchain.serve import (
     HEALTH_PATH,
     METRICS_PATH,
     READY_PATH,
+    shapes,
+    structured,
+    tools,
 )
 from toolchain.serve.auth import ApiKey, KeyRing, RateLimiter
 from toolchain.serve.metrics import Metrics
+from toolchain.serve.params import sampling_params
 from toolchain.serve.protocol import (
     ApiError,
     ChatCompletionRequest,
@@ -69,9 +74,6 @@ from toolchain.serve.protocol import (
 log = logging.getLogger("trtbuild.serve")
 _Body = TypeVar("_Body", bound=BaseModel)
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
-# below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
-# of them would fail the step, and with it every request in the batch
-GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,8 @@ class _Admitted:
     token_times: list[float] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     final: TokenEvent | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the generated tokens', when asked
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # when asked (echo, prompt_logprobs)
 
     @property
     def finish_reason(self) -> FinishReason:
@@ -491,32 +495,6 @@ def _chat_ids(
     return [int(t) for t in tok.encode(str(text), add_special_tokens=add_special_tokens)]
 
 
-def _sampling(state: ServerState, body: CompletionRequest | ChatCompletionRequest, ids: list[int]) -> SamplingParams:
-    limit = state.spec.limits.max_seq_len
-    if len(ids) >= limit:
-        field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-        raise ApiError(400, f"the prompt has {len(ids)} tokens; this engine's max_seq_len is {limit}", param=field_name)
-    asked = body.max_completion_tokens if isinstance(body, ChatCompletionRequest) else None
-    asked = asked if asked is not None else body.max_tokens
-    default = limit - len(ids) if isinstance(body, ChatCompletionRequest) else min(16, limit - len(ids))
-    max_tokens = default if asked is None else asked
-    if max_tokens < 1 or len(ids) + max_tokens > limit:
-        raise ApiError(
-            400,
-            f"max_tokens {max_tokens}: must be >= 1 and prompt ({len(ids)}) + max_tokens <= max_seq_len {limit}",
-            param="max_tokens",
-        )
-    return SamplingParams(
-        max_new_tokens=max_tokens,
-        temperature=body.temperature if body.temperature >= GREEDY_BELOW else 0.0,
-        top_k=body.top_k,
-        top_p=body.top_p,
-        seed=body.seed,
-        stop_token_ids=state.stop_ids,
-        stop_strings=body.stops(),
-    )
-
-
 async def _generate(state: ServerState, request: Request, chat: bool) -> Response:
     arrived = time.monotonic()
     _check_open(state)
@@ -527,23 +505,27 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         _check_model(state, body.model)
         body.refuse_unsupported()
+        if isinstance(body, ChatCompletionRequest):
+            tools.check_tools(body)
         ids = _prompt_ids(state, body)
-        params = _sampling(state, body, ids)
+        params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
+        grammar = structured.grammar_spec(body)
+        if grammar is not None:
+            params = dataclasses.replace(params, grammar=grammar)
         problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
         if problem:
             raise ApiError(400, problem, param="prompt")
     except ApiError as e:
         raise _reject(state, "bad_request", e) from e
     admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop(), "chatcmpl" if chat else "cmpl")
-    model = body.model
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(state, admitted, model, chat, include_usage, request),
+            _sse(state, admitted, body, chat, include_usage, request),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    return await _respond(state, admitted, model, chat, request)
+    return await _respond(state, admitted, body, chat, request)
 
 
 def _unavailable(why: str) -> ApiError:
@@ -624,6 +606,10 @@ async def _events(state: ServerState, a: _Admitted, request: Request) -> AsyncIt
             continue
         if event.token is not None:
             a.token_times.append(time.monotonic())
+        if event.logprob is not None:
+            a.logprobs.append(event.logprob)
+        if event.prompt_logprobs is not None:
+            a.prompt_logprobs = event.prompt_logprobs
         a.text.append(event.text)
         if event.finished:
             a.final = event
@@ -632,7 +618,9 @@ async def _events(state: ServerState, a: _Admitted, request: Request) -> AsyncIt
             return
 
 
-async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, request: Request) -> Response:
+async def _respond(
+    state: ServerState, a: _Admitted, body: CompletionRequest | ChatCompletionRequest, chat: bool, request: Request
+) -> Response:
     try:
         async for _ in _events(state, a, request):
             pass
@@ -646,7 +634,9 @@ async def _respond(state: ServerState, a: _Admitted, model: str, chat: bool, req
         error.logged = True  # _finish wrote its line
         raise error
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
-    return JSONResponse(completion_body(a.id, model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False))
+    out = completion_body(a.id, body.model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False)
+    out["choices"][0]["logprobs"] = shapes.response_logprobs(state.tokenizer, body, a.logprobs, a.prompt_logprobs)
+    return JSONResponse(out)
 
 
 def _finish_error(state: ServerState, final: TokenEvent) -> ApiError | None:
@@ -667,16 +657,28 @@ def _sse_data(body: dict[str, Any]) -> str:
 
 
 async def _sse(
-    state: ServerState, a: _Admitted, model: str, chat: bool, include_usage: bool, request: Request
+    state: ServerState,
+    a: _Admitted,
+    body: CompletionRequest | ChatCompletionRequest,
+    chat: bool,
+    include_usage: bool,
+    request: Request,
 ) -> AsyncIterator[str]:
+    model = body.model
+    sent_chars = 0  # text streamed so far (completions' text_offset)
     try:
         if chat:
             first = completion_body(a.id, model, "", None, None, chat, chunk=True)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield _sse_data(first)
         async for event in _events(state, a, request):
-            if event.text:
-                yield _sse_data(completion_body(a.id, model, event.text, None, None, chat, chunk=True))
+            lps = [event.logprob] if event.logprob is not None else []
+            chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, None, sent_chars) if lps else None
+            if event.text or chunk_lps is not None:
+                chunk = completion_body(a.id, model, event.text, None, None, chat, chunk=True)
+                chunk["choices"][0]["logprobs"] = chunk_lps
+                yield _sse_data(chunk)
+                sent_chars += len(event.text)
             if not event.finished:
                 continue
             error = _finish_error(state, event)

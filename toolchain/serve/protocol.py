@@ -34,25 +34,19 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-# Fields OpenAI or vLLM define that clients send (AIPerf: ignore_eos, min_tokens; apps: user, metadata) and that this
-# server accepts without acting on them today (issue 29, item 2 decides each: honour or refuse). Any other unknown
-# field is refused by name: a misspelt `max_token` must not silently fall back to the default.
+# Fields OpenAI or vLLM define that clients send (apps: user, metadata) and that this server accepts without acting
+# on them. Every other field is either honoured or refused by name; an unknown field is refused too: a misspelt
+# `max_token` must not silently fall back to the default. (Issue 29 frame: the slices move the entries below the
+# first four out as they honour them.)
 ACCEPTED_UNUSED = (
     "user",
     "metadata",
     "store",
     "service_tier",
-    "frequency_penalty",
-    "presence_penalty",
-    "logit_bias",
-    "ignore_eos",
-    "min_tokens",
     "response_format",
-    "suffix",  # completions only
-    "tools",  # chat only, as the next three
+    "tools",  # chat only, as the next two
     "tool_choice",
     "parallel_tool_calls",
-    "top_logprobs",
 )
 
 
@@ -63,34 +57,45 @@ class _Sampling(BaseModel):
     max_tokens: int | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # vLLM's extension; 0 = no limit
+    top_k: int = Field(0, ge=-1)  # vLLM's extension; 0 (or vLLM's -1) = no limit
+    min_p: float = Field(0.0, ge=0.0, le=1.0)  # vLLM's extension
     seed: int | None = Field(None, ge=0, lt=2**64)  # what torch.Generator.manual_seed accepts
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
-    logprobs: Any = None
-    echo: bool = False
     best_of: int | None = None
+    # penalties and bias (OpenAI; repetition_penalty, min_tokens, ignore_eos are vLLM's extensions)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    # structured output (OpenAI's response_format; vLLM's structured_outputs and its older guided_* fields)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # accepted, not acted on (ACCEPTED_UNUSED)
     user: Any = None
     metadata: Any = None
     store: Any = None
     service_tier: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    ignore_eos: Any = None
-    min_tokens: Any = None
-    response_format: Any = None
 
     def refuse_unsupported(self) -> None:
         if self.n != 1 or (self.best_of is not None and self.best_of != 1):
             field = "n" if self.n != 1 else "best_of"
             raise ApiError(400, f"{field} must be 1: one choice per request (send several requests)", param=field)
-        if self.logprobs not in (None, False):
+        # FRAME: slice A replaces these two refusals by serve/shapes.check_logprobs
+        if getattr(self, "logprobs", None) not in (None, False) or getattr(self, "prompt_logprobs", None) is not None:
             raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-        if self.echo:
+        if getattr(self, "echo", False):
             raise ApiError(400, "echo is not supported by this server", param="echo")
 
     def stops(self) -> tuple[str, ...]:
@@ -102,7 +107,10 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    suffix: Any = None  # accepted, not acted on (ACCEPTED_UNUSED)
+    logprobs: int | None = None  # top alternatives per generated token (OpenAI's completions)
+    echo: bool = False  # the prompt before the completion (with its logprobs when logprobs is set)
+    prompt_logprobs: int | None = None  # vLLM's extension
+    suffix: str | None = None  # refused when set (as vLLM: no fill-in-the-middle here)
 
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
@@ -120,6 +128,9 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, sent back by tool-calling clients
+    tool_call_id: str | None = None  # a tool turn's answer to one call
 
     def text(self) -> str:
         if isinstance(self.content, list):  # content parts: text only
@@ -132,11 +143,13 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    # accepted, not acted on (ACCEPTED_UNUSED)
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
-    top_logprobs: Any = None
+    logprobs: bool = False  # chat: the chosen tokens' logprobs ...
+    top_logprobs: int | None = None  # ... with this many alternatives each
+    echo: bool = False  # vLLM's extension (the last message's content before the answer)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's extension: passed to the template
 
 
 class TokenizeRequest(BaseModel):
