@@ -117,7 +117,7 @@ class ServerState:
         self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
         self.manifest = _read_manifest(engine.spec.engine_dir)
         self.llm = LLMEngine(engine, tokenizer)
-        self.metrics = Metrics(engine.spec, self.model_name)
+        self.metrics = Metrics(engine.spec, self.model_name, self.llm.runtime)
         self.llm.on_step = self.metrics.observe_step
         self.keyring = KeyRing(keys) if keys else None
         self.limiter = RateLimiter(keys or [])
