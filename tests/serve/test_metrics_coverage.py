@@ -1,7 +1,8 @@
 """vLLM's metric set on a trtbuild server: every series vLLM's Grafana dashboards query (the list in
 data/vllm_dashboard_metrics.txt, with its sources) is exposed with vLLM's type, buckets and labels, or is named in
 metrics.ABSENT with the reason, or is a speculative-decoding series pending issue 30; and after a known workload the
-values are what that workload implies.
+values are what that workload implies. Plus GET /tokenizer_info in vLLM's shape, as lm-eval's remote tokenizer reads
+it.
 
 The expected types, buckets and labels below are transcribed from vLLM 0.34.0 (git 62d4bc3c7)
 vllm/v1/metrics/loggers.py and buckets.py independently of toolchain/serve/metrics.py's table, so a slip in either
@@ -13,13 +14,16 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from test_serve import (  # the in-process server helpers and the tiny engine's fixtures
     MAX_SEQ_LEN,
     MODEL,
+    TIMEOUT,
     Running,
     checkpoint,  # noqa: F401  (fixture)
     engine_dir,  # noqa: F401  (fixture)
@@ -279,8 +283,9 @@ def test_one_request_observed_as_vllms_stats_py_would(fresh: Running) -> None:
     fresh.state.metrics.observe_request(request, "length", server_arrival, token_times)
     after = fresh.metrics()
 
-    def grew(name: str) -> float:
-        return metric(after, name) - metric(before, name)
+    def grew(name: str) -> Any:
+        """The sample's growth, to the rounding of a float sum that held other requests' times (1e-9 s)."""
+        return pytest.approx(metric(after, name) - metric(before, name), abs=1e-9)
 
     assert grew("vllm:request_queue_time_seconds_sum") == 0.5  # scheduled - queued (the loop's arrival)
     assert grew("vllm:request_prefill_time_seconds_sum") == 0.75  # first token - scheduled
@@ -299,3 +304,30 @@ def test_one_request_observed_as_vllms_stats_py_would(fresh: Running) -> None:
     assert metric(after, "vllm:request_params_max_tokens_bucket", le="20.0") == metric(
         before, "vllm:request_params_max_tokens_bucket", le="20.0"
     )
+
+
+# -- /tokenizer_info ----------------------------------------------------------------------------------------------
+def test_tokenizer_info_in_vllms_shape(fresh: Running) -> None:
+    response = httpx.get(f"{fresh.url}/tokenizer_info", timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    info: dict[str, Any] = response.json()
+    tok = fresh.state.tokenizer
+    # what lm-eval 0.4.13's RemoteTokenizer reads (lm_eval/utils.py): the special tokens' text and the template
+    assert info["eos_token"] == tok.eos_token == "</s>" and info["bos_token"] == tok.bos_token == "<s>"
+    assert info.get("pad_token") == tok.pad_token  # this tokenizer has none: absent, as from vLLM
+    assert info["chat_template"] == tok.chat_template and "{% for m in messages %}" in info["chat_template"]
+    # vLLM's: tokenizer_config.json's keys as the tokenizer keeps them, tokenizer_class, no file paths
+    assert info["tokenizer_class"] == type(tok).__name__
+    assert info["model_max_length"] == tok.model_max_length
+    assert {"vocab_file", "merges_file", "name_or_path"}.isdisjoint(info)
+    # eos_token_id as lm-eval derives it: /tokenize of the eos text without special tokens, first id
+    ids = post(fresh.url, {"prompt": info["eos_token"], "add_special_tokens": False}, path="/tokenize").json()
+    assert ids["tokens"][0] == tok.eos_token_id
+
+
+def test_tokenizer_info_without_a_tokenizer_is_a_clean_404(fresh: Running, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fresh.state, "tokenizer", None)
+    response = httpx.get(f"{fresh.url}/tokenizer_info", timeout=TIMEOUT)
+    assert response.status_code == 404
+    error = response.json()["error"]
+    assert error["type"] == "not_found_error" and "no tokenizer" in error["message"] and error["code"] == 404

@@ -63,6 +63,7 @@ from toolchain.serve.protocol import (
     TokenizeRequest,
     completion_body,
     new_id,
+    tokenizer_config,
     usage,
 )
 
@@ -342,6 +343,15 @@ def _install_openai(app: FastAPI, state: ServerState) -> None:
         if body.return_token_strs:
             out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(out)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        if state.tokenizer is None:
+            raise ApiError(
+                404, "this engine has no tokenizer, so no tokenizer_info: send token ids", "not_found_error", None
+            )
+        return JSONResponse(tokenizer_config(state.tokenizer))
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
