@@ -472,16 +472,20 @@ async def _parse(state: ServerState, request: Request, model: type[_Body]) -> _B
         raise _reject(state, "bad_request", ApiError(400, message, param=where)) from e
 
 
-def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids (chat messages make one prompt)."""
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return _chat_ids(state, body.messages, True, False)
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        if tok is None:
-            raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
-        return list(tok.encode(prompt))
-    return [int(t) for t in prompt]
+        return [_chat_ids(state, body.messages, True, False)]
+    out = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
+            out.append(list(tok.encode(prompt)))
+        else:
+            out.append([int(t) for t in prompt])
+    return out
 
 
 def _chat_ids(
@@ -537,14 +541,26 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         _check_model(state, body.model)
         body.refuse_unsupported()
-        ids = _prompt_ids(state, body)
-        params = _sampling(state, body, ids)
-        problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
-        if problem:
-            raise ApiError(400, problem, param="prompt")
+        prompts = _prompt_ids(state, body)
+        every_params = []
+        for i, ids in enumerate(prompts):
+            try:
+                params = _sampling(state, body, ids)
+                problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
+                if problem:
+                    raise ApiError(400, problem, param="prompt")
+            except ApiError as e:
+                if len(prompts) > 1:  # say which prompt
+                    e.message = f"prompt {i} of {len(prompts)}: {e.message}"
+                raise
+            every_params.append(params)
     except ApiError as e:
         raise _reject(state, "bad_request", e) from e
-    admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop(), "chatcmpl" if chat else "cmpl")
+    if len(prompts) > 1:
+        assert isinstance(body, CompletionRequest)
+        return await _generate_many(state, request, body, key_id, prompts, every_params, arrived)
+    loop = asyncio.get_running_loop()
+    admitted = _admit(state, key_id, prompts[0], every_params[0], arrived, loop, "chatcmpl" if chat else "cmpl")
     model = body.model
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -554,6 +570,112 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
             headers={"Cache-Control": "no-cache"},
         )
     return await _respond(state, admitted, model, chat, request)
+
+
+async def _generate_many(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest,
+    key_id: str,
+    prompts: list[list[int]],
+    every_params: list[SamplingParams],
+    arrived: float,
+) -> Response:
+    """Several prompts in one completions request, as vLLM's: one runtime request per prompt (they batch like
+    separate requests, each with its own rate-limit share, metrics and log line), one choice per prompt indexed in
+    prompt order, usage summed; streamed chunks name their choice's index. Admitted all or none."""
+    loop = asyncio.get_running_loop()
+    admitted: list[_Admitted] = []
+    try:
+        for ids, params in zip(prompts, every_params, strict=True):
+            admitted.append(_admit(state, key_id, ids, params, arrived, loop, "cmpl"))
+    except ApiError:
+        for a in admitted:  # the ones queued already go again
+            state.llm.abort(a.id)
+            _finish(state, a)
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse_many(state, admitted, body.model, include_usage, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def drain(a: _Admitted) -> None:
+        try:
+            async for _ in _events(state, a, request):
+                pass
+        finally:
+            if a.final is None:  # cancelled: do not leave the request holding its blocks
+                state.llm.abort(a.id)
+            _finish(state, a)
+
+    await asyncio.gather(*(drain(a) for a in admitted))
+    for a in admitted:
+        assert a.final is not None
+        error = _finish_error(state, a.final)
+        if error is not None:
+            error.logged = True  # _finish wrote its line
+            raise error
+    use = usage(sum(len(a.prompt_ids) for a in admitted), sum(a.final.generated_tokens for a in admitted if a.final))
+    out = completion_body(admitted[0].id, body.model, "", None, use, chat=False, chunk=False)
+    out["choices"] = [
+        _choice(a.id, body.model, "".join(a.text), a.finish_reason.openai, i, chunk=False)
+        for i, a in enumerate(admitted)
+    ]
+    return JSONResponse(out)
+
+
+def _choice(rid: str, model: str, text: str, finish: str | None, index: int, chunk: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = completion_body(rid, model, text, finish, None, chat=False, chunk=chunk)["choices"][0]
+    choice["index"] = index
+    return choice
+
+
+async def _sse_many(
+    state: ServerState, admitted: list[_Admitted], model: str, include_usage: bool, request: Request
+) -> AsyncIterator[str]:
+    """The prompts' events interleaved as they come, each chunk naming its choice's index (vLLM's)."""
+    rid = admitted[0].id
+    events: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+    async def pump(i: int, a: _Admitted) -> None:
+        async for event in _events(state, a, request):
+            await events.put((i, event))
+
+    def chunk(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> str:
+        body = completion_body(rid, model, "", None, use, chat=False, chunk=True)
+        body["choices"] = choices
+        return _sse_data(body)
+
+    tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(admitted)]
+    try:
+        left = len(admitted)
+        while left:
+            i, event = await events.get()
+            if event.text:
+                yield chunk([_choice(rid, model, event.text, None, i, chunk=True)])
+            if not event.finished:
+                continue
+            left -= 1
+            error = _finish_error(state, event)
+            if error is not None:  # headers are sent: the error travels as an event, and ends the stream
+                yield _sse_data(error.body())
+                break
+            yield chunk([_choice(rid, model, "", admitted[i].finish_reason.openai, i, chunk=True)])
+        else:
+            if include_usage:
+                prompt = sum(len(a.prompt_ids) for a in admitted)
+                yield chunk([], usage(prompt, sum(a.final.generated_tokens for a in admitted if a.final)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for a in admitted:
+            if a.final is None:  # the client went away mid-stream, or another prompt failed: free its blocks
+                state.llm.abort(a.id)
+            _finish(state, a)
 
 
 def _unavailable(why: str) -> ApiError:

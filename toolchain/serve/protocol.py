@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -104,15 +104,17 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     suffix: Any = None  # accepted, not acted on (ACCEPTED_UNUSED)
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one (a string or a list of ids) or several (a list of strings or of id lists),
+        each answered by its own choice, as vLLM's completions (vllm/entrypoints/openai/completion/serving.py)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, "one prompt per request (send several requests)", param="prompt")
-            p = p[0]
-        if not p:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return p  # type: ignore[return-value]
+        many = isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+        prompts = cast(list[str | list[int]], list(p) if many else [p])
+        for i, one in enumerate(prompts):
+            if not one:
+                where = f"prompt {i} of {len(prompts)}" if many else "prompt"
+                raise ApiError(400, f"{where} is empty", param="prompt")
+        return prompts
 
 
 class ChatMessage(BaseModel):
