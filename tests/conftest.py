@@ -25,6 +25,9 @@ from toolchain.cli import app
 from toolchain.files import JSON_LIMIT
 from toolchain.manifest import file_entry, read_manifest, write_manifest
 
+# the server tests' fixtures (tests/serve/fixtures.py says why they are a plugin)
+pytest_plugins = ("tests.serve.fixtures",)
+
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 STORIES = SHARED / "models" / "stories260K-hf"
 WIKI = SHARED / "wikitext-2"

@@ -621,8 +621,8 @@ def serve(
     ] = False,
 ) -> None:
     """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), vLLM's
-    /tokenize and /detokenize, /version, health and readiness probes, Prometheus metrics under vLLM's names, API keys,
-    per-key rate limits and graceful drain."""
+    /tokenize, /detokenize and /tokenizer_info, /version, health and readiness probes, Prometheus metrics under vLLM's
+    names, API keys, per-key rate limits and graceful drain."""
     from toolchain.serve.app import ServeOptions
     from toolchain.serve.server import serve as run_server
 

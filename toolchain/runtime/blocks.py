@@ -65,6 +65,8 @@ class BlockManager:
         self.cached: dict[int, _Cached] = {}  # block -> what it holds, for findable blocks
         self.block_of: dict[bytes, int] = {}  # chained hash -> block
         self.hash = block_hash  # replaceable in tests, to force collisions
+        # prefix-cache lookups (vLLM's prefix_cache_queries / _hits): tokens looked up, tokens found
+        self.prefix_queries = self.prefix_hits = 0
 
     @property
     def num_free(self) -> int:
@@ -173,6 +175,9 @@ class BlockManager:
         request.blocks = shared
         request.num_computed = len(shared) * self.tokens_per_block
         request.registered = len(shared)
+        if self.prefix_sharing:  # as vLLM, which looks nothing up with prefix caching off
+            self.prefix_queries += len(request.tokens)
+            self.prefix_hits += request.num_computed
         return request.num_computed
 
     def advance(self, request: Request, tokens: int) -> None:

@@ -55,6 +55,7 @@ class Runtime:
         self.peak_utilization = 0.0
         self.steps = 0
         self.cached_tokens = 0  # prompt tokens found in the prefix cache, over all requests
+        self.step_tokens = 0  # the last step's prompt tokens computed + tokens sampled (vLLM's iteration tokens)
         self._outbox: list[tuple[Request, TokenEvent]] = []
         self._deadlines: list[tuple[float, int, Request]] = []  # heap
         self._order = itertools.count()  # ties between equal deadlines, without comparing requests
@@ -213,6 +214,7 @@ class Runtime:
         for s in scheduled:
             if s.request.first_scheduled is None:
                 s.request.first_scheduled = now
+                s.request.num_cached = s.context_len
                 self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
         # sequences whose chunk needs every position's logits (prompt logprobs), and each sequence's output rows
         every = [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
@@ -240,12 +242,15 @@ class Runtime:
             self.guide.wait()
         greedy_ids = step.greedy.tolist()  # Python ints at once: indexing numpy per row costs ~10x more
         self.steps += 1
+        tokens = 0
         for i, s in enumerate(scheduled):
             request = s.request
             if request.done:  # cancelled while this step ran
                 continue
             self.blocks.advance(request, len(s.tokens))
             row = last[i] - 1
+            if s.context_len < len(request.prompt):  # prompt tokens in this row (decode rows have none)
+                tokens += min(len(request.prompt), s.context_len + len(s.tokens)) - s.context_len
             try:
                 if every[i]:
                     logprobs.collect_prompt(
@@ -261,7 +266,9 @@ class Runtime:
                 self._retire(request, Status.FAILED, FinishReason.ERROR, f"sampling failed: {e}")
                 ended.append(request)
                 continue
+            tokens += 1
             self._accept(request, token, ended, logprob)
+        self.step_tokens = tokens
         used = self.blocks.num_used / self.blocks.num_blocks
         self.peak_utilization = max(self.peak_utilization, used)
         if self.record_utilization:

@@ -185,6 +185,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     first_scheduled: float | None = None
+    num_cached: int = 0  # prompt tokens found in the prefix cache when first scheduled
     first_token: float | None = None
     finished_at: float | None = None
     preemptions: int = 0

@@ -68,6 +68,7 @@ from toolchain.serve.protocol import (
     TokenizeRequest,
     completion_body,
     new_id,
+    tokenizer_config,
     usage,
 )
 
@@ -121,7 +122,7 @@ class ServerState:
         self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
         self.manifest = _read_manifest(engine.spec.engine_dir)
         self.llm = LLMEngine(engine, tokenizer)
-        self.metrics = Metrics(engine.spec, self.model_name)
+        self.metrics = Metrics(engine.spec, self.model_name, self.llm.runtime)
         self.llm.on_step = self.metrics.observe_step
         self.keyring = KeyRing(keys) if keys else None
         self.limiter = RateLimiter(keys or [])
@@ -347,6 +348,15 @@ def _install_openai(app: FastAPI, state: ServerState) -> None:
             out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(out)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        _authorize(state, request)
+        if state.tokenizer is None:
+            raise ApiError(
+                404, "this engine has no tokenizer, so no tokenizer_info: send token ids", "not_found_error", None
+            )
+        return JSONResponse(tokenizer_config(state.tokenizer))
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         _authorize(state, request)
@@ -466,16 +476,20 @@ async def _parse(state: ServerState, request: Request, model: type[_Body]) -> _B
         raise _reject(state, "bad_request", ApiError(400, message, param=where)) from e
 
 
-def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    """Each prompt's token ids (chat messages make one prompt)."""
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return _chat_ids(state, body.messages, True, False)
-    prompt = body.single_prompt()
-    if isinstance(prompt, str):
-        if tok is None:
-            raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
-        return list(tok.encode(prompt))
-    return [int(t) for t in prompt]
+        return [_chat_ids(state, body.messages, True, False)]
+    out = []
+    for prompt in body.prompts():
+        if isinstance(prompt, str):
+            if tok is None:
+                raise ApiError(400, "this engine has no tokenizer: send the prompt as token ids", param="prompt")
+            out.append(list(tok.encode(prompt)))
+        else:
+            out.append([int(t) for t in prompt])
+    return out
 
 
 def _chat_ids(
@@ -507,17 +521,29 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         body.refuse_unsupported()
         if isinstance(body, ChatCompletionRequest):
             tools.check_tools(body)
-        ids = _prompt_ids(state, body)
-        params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
+        prompts = _prompt_ids(state, body)
         grammar = structured.grammar_spec(body)
-        if grammar is not None:
-            params = dataclasses.replace(params, grammar=grammar)
-        problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
-        if problem:
-            raise ApiError(400, problem, param="prompt")
+        every_params = []
+        for i, ids in enumerate(prompts):
+            try:
+                params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
+                if grammar is not None:
+                    params = dataclasses.replace(params, grammar=grammar)
+                problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
+                if problem:
+                    raise ApiError(400, problem, param="prompt")
+            except ApiError as e:
+                if len(prompts) > 1:  # say which prompt
+                    e.message = f"prompt {i} of {len(prompts)}: {e.message}"
+                raise
+            every_params.append(params)
     except ApiError as e:
         raise _reject(state, "bad_request", e) from e
-    admitted = _admit(state, key_id, ids, params, arrived, asyncio.get_running_loop(), "chatcmpl" if chat else "cmpl")
+    if len(prompts) > 1:
+        assert isinstance(body, CompletionRequest)
+        return await _generate_many(state, request, body, key_id, prompts, every_params, arrived)
+    loop = asyncio.get_running_loop()
+    admitted = _admit(state, key_id, prompts[0], every_params[0], arrived, loop, "chatcmpl" if chat else "cmpl")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -526,6 +552,112 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
             headers={"Cache-Control": "no-cache"},
         )
     return await _respond(state, admitted, body, chat, request)
+
+
+async def _generate_many(
+    state: ServerState,
+    request: Request,
+    body: CompletionRequest,
+    key_id: str,
+    prompts: list[list[int]],
+    every_params: list[SamplingParams],
+    arrived: float,
+) -> Response:
+    """Several prompts in one completions request, as vLLM's: one runtime request per prompt (they batch like
+    separate requests, each with its own rate-limit share, metrics and log line), one choice per prompt indexed in
+    prompt order, usage summed; streamed chunks name their choice's index. Admitted all or none."""
+    loop = asyncio.get_running_loop()
+    admitted: list[_Admitted] = []
+    try:
+        for ids, params in zip(prompts, every_params, strict=True):
+            admitted.append(_admit(state, key_id, ids, params, arrived, loop, "cmpl"))
+    except ApiError:
+        for a in admitted:  # the ones queued already go again
+            state.llm.abort(a.id)
+            _finish(state, a)
+        raise
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            _sse_many(state, admitted, body.model, include_usage, request),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+        )
+
+    async def drain(a: _Admitted) -> None:
+        try:
+            async for _ in _events(state, a, request):
+                pass
+        finally:
+            if a.final is None:  # cancelled: do not leave the request holding its blocks
+                state.llm.abort(a.id)
+            _finish(state, a)
+
+    await asyncio.gather(*(drain(a) for a in admitted))
+    for a in admitted:
+        assert a.final is not None
+        error = _finish_error(state, a.final)
+        if error is not None:
+            error.logged = True  # _finish wrote its line
+            raise error
+    use = usage(sum(len(a.prompt_ids) for a in admitted), sum(a.final.generated_tokens for a in admitted if a.final))
+    out = completion_body(admitted[0].id, body.model, "", None, use, chat=False, chunk=False)
+    out["choices"] = [
+        _choice(a.id, body.model, "".join(a.text), a.finish_reason.openai, i, chunk=False)
+        for i, a in enumerate(admitted)
+    ]
+    return JSONResponse(out)
+
+
+def _choice(rid: str, model: str, text: str, finish: str | None, index: int, chunk: bool) -> dict[str, Any]:
+    choice: dict[str, Any] = completion_body(rid, model, text, finish, None, chat=False, chunk=chunk)["choices"][0]
+    choice["index"] = index
+    return choice
+
+
+async def _sse_many(
+    state: ServerState, admitted: list[_Admitted], model: str, include_usage: bool, request: Request
+) -> AsyncIterator[str]:
+    """The prompts' events interleaved as they come, each chunk naming its choice's index (vLLM's)."""
+    rid = admitted[0].id
+    events: asyncio.Queue[tuple[int, TokenEvent]] = asyncio.Queue()
+
+    async def pump(i: int, a: _Admitted) -> None:
+        async for event in _events(state, a, request):
+            await events.put((i, event))
+
+    def chunk(choices: list[dict[str, Any]], use: dict[str, int] | None = None) -> str:
+        body = completion_body(rid, model, "", None, use, chat=False, chunk=True)
+        body["choices"] = choices
+        return _sse_data(body)
+
+    tasks = [asyncio.create_task(pump(i, a)) for i, a in enumerate(admitted)]
+    try:
+        left = len(admitted)
+        while left:
+            i, event = await events.get()
+            if event.text:
+                yield chunk([_choice(rid, model, event.text, None, i, chunk=True)])
+            if not event.finished:
+                continue
+            left -= 1
+            error = _finish_error(state, event)
+            if error is not None:  # headers are sent: the error travels as an event, and ends the stream
+                yield _sse_data(error.body())
+                break
+            yield chunk([_choice(rid, model, "", admitted[i].finish_reason.openai, i, chunk=True)])
+        else:
+            if include_usage:
+                prompt = sum(len(a.prompt_ids) for a in admitted)
+                yield chunk([], usage(prompt, sum(a.final.generated_tokens for a in admitted if a.final)))
+        yield "data: [DONE]\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for a in admitted:
+            if a.final is None:  # the client went away mid-stream, or another prompt failed: free its blocks
+                state.llm.abort(a.id)
+            _finish(state, a)
 
 
 def _unavailable(why: str) -> ApiError:

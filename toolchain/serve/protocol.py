@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -112,15 +112,17 @@ class CompletionRequest(_Sampling):
     prompt_logprobs: int | None = None  # vLLM's extension
     suffix: str | None = None  # refused when set (as vLLM: no fill-in-the-middle here)
 
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, in order: one (a string or a list of ids) or several (a list of strings or of id lists),
+        each answered by its own choice, as vLLM's completions (vllm/entrypoints/openai/completion/serving.py)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ApiError(400, "one prompt per request (send several requests)", param="prompt")
-            p = p[0]
-        if not p:
-            raise ApiError(400, "prompt is empty", param="prompt")
-        return p  # type: ignore[return-value]
+        many = isinstance(p, list) and bool(p) and isinstance(p[0], (str, list))
+        prompts = cast(list[str | list[int]], list(p) if many else [p])
+        for i, one in enumerate(prompts):
+            if not one:
+                where = f"prompt {i} of {len(prompts)}" if many else "prompt"
+                raise ApiError(400, f"{where} is empty", param="prompt")
+        return prompts
 
 
 class ChatMessage(BaseModel):
@@ -198,3 +200,37 @@ def completion_body(
     if use is not None or not chunk:
         body["usage"] = use
     return body
+
+
+# /tokenizer_info leaves these out: file paths on the server (vLLM drops vocab_file and merges_file; name_or_path is
+# the engine directory's path, which a client has no use for)
+_TOKENIZER_PATHS = ("vocab_file", "merges_file", "name_or_path")
+
+
+def tokenizer_config(tokenizer: Any) -> dict[str, Any]:
+    """vLLM's GET /tokenizer_info (vllm/entrypoints/serve/tokenize/serving.py `TokenizerInfo._get_tokenizer_config`):
+    the tokenizer's `init_kwargs` (its tokenizer_config.json) made JSON-safe (an AddedToken becomes its text), less
+    file paths, plus `tokenizer_class` and `chat_template`. lm-eval's `tokenizer_backend=remote` (lm_eval/utils.py
+    `RemoteTokenizer`, 0.4.13) reads eos_token, bos_token, pad_token and chat_template from it: each is filled from
+    the tokenizer itself where init_kwargs lacks it and the tokenizer has one."""
+    config = {k: _json_safe(v) for k, v in dict(getattr(tokenizer, "init_kwargs", None) or {}).items()}
+    for key in _TOKENIZER_PATHS:
+        config.pop(key, None)
+    for key in ("bos_token", "eos_token", "pad_token", "chat_template"):
+        value = getattr(tokenizer, key, None)
+        if config.get(key) is None and isinstance(value, str):
+            config[key] = value
+    config["tokenizer_class"] = type(tokenizer).__name__
+    return config
+
+
+def _json_safe(value: Any) -> Any:
+    if hasattr(value, "content"):  # tokenizers.AddedToken
+        return str(value.content)
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)  # anything else a tokenizer keeps (a path, an enum): its text

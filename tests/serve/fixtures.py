@@ -1,5 +1,7 @@
 """The server tests' fixtures: the tiny Llama checkpoint, its engines (batch 16, and batch 1 for queue tests), its
-tokenizer, an API-keys file, and in-process servers over them (helpers.py has the rest)."""
+tokenizer, an API-keys file, and in-process servers over them (helpers.py has the rest). A plugin that
+tests/conftest.py loads (a conftest.py here would shadow the root one's `from conftest import ...`); module-scoped,
+so each test module that asks gets its own engine and server."""
 
 from __future__ import annotations
 
