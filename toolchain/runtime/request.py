@@ -34,6 +34,8 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
     min_p: float = 0.0  # vLLM: drop tokens whose probability is below min_p times the largest
     grammar: GrammarSpec | None = None  # structured output: every token must keep the text inside the grammar
+    include_stop_str_in_output: bool = False  # vLLM: the matched stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # special tokens' text left out of the output (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
