@@ -5,6 +5,7 @@ parameter with plain greedy rows (which keep their solo output and never bring a
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.processors import build_pipeline
-from toolchain.runtime.request import Request, SamplingParams
+from toolchain.runtime.request import Request, SamplingParams, TokenEvent
 from toolchain.runtime.sampler import sample
 
 VOCAB = 32
@@ -125,17 +126,20 @@ def scripted(tok: Any, text: str, prompt: list[int]) -> FakeEngine:
 
 def test_min_tokens_ignores_stop_tokens_and_stop_strings_until_reached(tok: Any) -> None:
     """vLLM: no stop before min_tokens, and the text of the first min_tokens tokens is not searched for stop
-    strings (v1/engine/detokenizer.py moves the search start past it)."""
+    strings (v1/engine/detokenizer.py moves the search start past it, less the stop's length - 1: a stop that ends
+    after them still counts)."""
     prompt = tok.encode("Hi", add_special_tokens=False)
     rt = Runtime(scripted(tok, "ab. cd. ef", prompt), tokenizer=tok)
-    early = rt.add_request(prompt, SamplingParams(max_new_tokens=20, stop_strings=(".",), stop_token_ids=(EOS,)))
-    late = rt.add_request(
-        prompt, SamplingParams(max_new_tokens=20, stop_strings=(".",), stop_token_ids=(EOS,), min_tokens=4)
-    )
+    events: dict[int, list[TokenEvent]] = {3: [], 4: []}
+    stops = SamplingParams(max_new_tokens=20, stop_strings=(". ",), stop_token_ids=(EOS,))
+    early = rt.add_request(prompt, stops)
+    after = {n: rt.add_request(prompt, replace(stops, min_tokens=n), on_event=events[n].append) for n in events}
     masked = rt.add_request(prompt, SamplingParams(max_new_tokens=20, stop_token_ids=(EOS,), min_tokens=12))
     rt.run()
     assert early.finish_reason == "stop_string" and early.detok is not None and early.detok.text == "ab"
-    assert late.finish_reason == "stop_string" and late.detok is not None and late.detok.text == "ab. cd"
+    texts = {n: "".join(e.text for e in events[n]) for n in events}  # what a client gets
+    assert texts == {3: "ab", 4: "ab. cd"}  # ". " ends on token 4: found when 3 are exempt, not when 4 are
+    assert all(r.finish_reason == "stop_string" for r in after.values())
     # the fake model wants eos after 10 tokens; masked, its row is zeros elsewhere and the argmax is token 0, twice
     assert masked.generated == [*tok.encode("ab. cd. ef", add_special_tokens=False), 0, 0, EOS]
     assert masked.finish_reason == "stop_token"

@@ -101,8 +101,9 @@ class IncrementalDetokenizer:
         longest = max((len(s) for s in self.stops), default=1)
         start = max(0, len(self.text) - longest + 1)
         self.text += new
-        if self.stops and self.added > self.min_tokens:
-            hits = [(self.text.find(s, start), s) for s in self.stops]
+        if self.stops:
+            searched = self.added > self.min_tokens
+            hits = [(self.text.find(s, start), s) for s in self.stops] if searched else []
             found = [(at, s) for at, s in hits if at >= 0]
             if found:
                 at, self.stopped = min(found)

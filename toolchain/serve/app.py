@@ -508,7 +508,9 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         if isinstance(body, ChatCompletionRequest):
             tools.check_tools(body)
         ids = _prompt_ids(state, body)
-        params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
+        params = sampling_params(
+            body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer, state.spec.vocab_size
+        )
         grammar = structured.grammar_spec(body)
         if grammar is not None:
             params = dataclasses.replace(params, grammar=grammar)
