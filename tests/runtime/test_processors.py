@@ -49,6 +49,10 @@ def test_neutral_parameters_build_no_pipeline() -> None:
     for params in (SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1)):
         assert build_pipeline(params, [1, 2, 3], VOCAB) is None
     assert build_pipeline(SamplingParams(presence_penalty=0.5), [1], VOCAB) is not None
+    # min_tokens with no stop token to mask (ignore_eos, as AIPerf sends it) changes no row either
+    assert build_pipeline(SamplingParams(min_tokens=5), [1], VOCAB) is None
+    assert not SamplingParams(min_tokens=5).needs_host_logits
+    assert build_pipeline(SamplingParams(min_tokens=5, stop_token_ids=(EOS,)), [1], VOCAB) is not None
 
 
 def test_repetition_penalty_equals_transformers_processor() -> None:
@@ -197,4 +201,14 @@ def test_plain_rows_keep_their_solo_output_beside_every_parameter_and_stay_on_th
     for p in PROMPTS:  # the pipelines left nothing behind: a plain batch brings no row to the host
         rt.add_request(p, SamplingParams(max_new_tokens=3))
     rt.run()
+    assert spy.calls and all(c == [] for c in spy.calls)
+
+
+def test_aiperfs_ignore_eos_with_min_tokens_stays_on_the_device(engine: Any) -> None:
+    """AIPerf asks ignore_eos and min_tokens = max_tokens: no stop token is left to mask, so the rows stay plain."""
+    spy = Spy(engine)
+    rt = Runtime(spy, num_blocks=64)  # type: ignore[arg-type]
+    requests = [rt.add_request(p, SamplingParams(max_new_tokens=7, min_tokens=7)) for p in PROMPTS]
+    rt.run()
+    assert all(len(r.generated) == 7 for r in requests)
     assert spy.calls and all(c == [] for c in spy.calls)

@@ -73,7 +73,7 @@ def build_pipeline(params: SamplingParams, prompt: list[int], vocab: int) -> Pip
     """The request's pipeline, or None when its parameters change nothing (then the row is used as it is)."""
     neutral = (
         not params.logit_bias
-        and params.min_tokens == 0
+        and (params.min_tokens == 0 or not params.stop_token_ids)  # no stop token to mask
         and params.repetition_penalty == 1
         and params.presence_penalty == 0
         and params.frequency_penalty == 0

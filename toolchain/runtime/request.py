@@ -62,7 +62,7 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
-            or self.min_tokens > 0
+            or (self.min_tokens > 0 and bool(self.stop_token_ids))  # AIPerf's ignore_eos + min_tokens: nothing to mask
             or self.min_p > 0
             or self.grammar is not None
         )
