@@ -5,7 +5,9 @@ parameter with plain greedy rows (which keep their solo output and never bring a
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -212,3 +214,15 @@ def test_aiperfs_ignore_eos_with_min_tokens_stays_on_the_device(engine: Any) -> 
     rt.run()
     assert all(len(r.generated) == 7 for r in requests)
     assert spy.calls and all(c == [] for c in spy.calls)
+
+
+def test_generate_cli_takes_the_penalties_and_logit_bias(cli: Any, tiny_engine: Path, tok: Any) -> None:
+    base = ("generate", tiny_engine, "--prompt", "Q: 2+2?\nA:", "--max-new-tokens", "6", "--json")
+    plain = json.loads(cli(*base).stdout)["tokens"]
+    (z,) = tok.encode("z", add_special_tokens=False)
+    forced = json.loads(cli(*base, "--logit-bias", f"{z}=100").stdout)
+    assert forced["tokens"] == [z] * 6 and forced["text"] == "zzzzzz"
+    penalised = json.loads(cli(*base, "--presence-penalty", "2").stdout)["tokens"]
+    assert plain.count(plain[0]) > 1 and penalised.count(penalised[0]) == 1
+    bad = cli(*base, "--logit-bias", "z=1")
+    assert bad.exit_code != 0 and "ID=BIAS" in bad.stderr
