@@ -8,9 +8,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.serve.helpers import MODEL, Running, error_of, greedy, post
+from tests.serve.helpers import MODEL, TIMEOUT, Running, error_of, greedy, post, sse_events
 from toolchain.runtime.request import SamplingParams
 from toolchain.serve.protocol import ACCEPTED_UNUSED, CompletionRequest
 
@@ -94,6 +95,25 @@ def test_include_stop_str_in_output_keeps_the_stop_string(server: Running) -> No
     # min_tokens: the first 4 tokens' text is not searched (vLLM), the stop is found straddling it
     late = complete(server, 12, stop=["xx"], min_tokens=4)
     assert late["text"] == "xxx" and late["finish_reason"] == "stop" and late["tokens"] == 5
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"stop": ["xx"], "min_tokens": 4},
+        {"stop": ["xx"], "include_stop_str_in_output": True},
+        {"logit_bias": {EOS: 100}, "min_tokens": 5},
+        {"stop_token_ids": [int(EOS)], "presence_penalty": 0.1},
+    ],
+    ids=["min_tokens-stop", "include-stop", "min_tokens-eos", "presence"],
+)
+def test_streamed_text_equals_the_answer(server: Running, fields: dict[str, Any]) -> None:
+    body = {**greedy(12), "prompt": PROMPT, **fields}
+    done = complete(server, 12, **fields)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        events = [e["choices"][0] for e in sse_events(r.iter_lines()) if e["choices"]]
+    assert "".join(e["text"] for e in events) == done["text"]
+    assert events[-1]["finish_reason"] == done["finish_reason"]
 
 
 def test_min_p_one_keeps_only_the_most_likely_token_and_top_k_minus_one_is_no_limit(server: Running) -> None:
