@@ -63,7 +63,8 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded so far (complete characters only)
         self.sent = 0  # characters of self.text released
         self.stopped: str | None = None  # the stop string that matched
-        self._hold = 0 if include_stop else max((len(s) for s in self.stops), default=1) - 1
+        self._reach = max((len(s) for s in self.stops), default=1) - 1  # a stop may start this far back
+        self._hold = 0 if include_stop else self._reach
 
     def _decode(self, ids: list[int]) -> str:
         # no clean-up: it rewrites text before the new tokens ("Hello ." -> "Hello."), which a window cannot follow
@@ -98,8 +99,7 @@ class IncrementalDetokenizer:
         return None
 
     def _append(self, new: str) -> str:
-        longest = max((len(s) for s in self.stops), default=1)
-        start = max(0, len(self.text) - longest + 1)
+        start = max(0, len(self.text) - self._reach)
         self.text += new
         if self.stops:
             searched = self.added > self.min_tokens
