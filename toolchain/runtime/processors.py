@@ -17,6 +17,8 @@ incrementally (`accepted`), never recounted from the request's tokens.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from toolchain.runtime.request import Request, SamplingParams
@@ -37,12 +39,12 @@ class Pipeline:
         self.repetition = params.repetition_penalty
         self.presence, self.frequency = params.presence_penalty, params.frequency_penalty
         self.generated = 0  # tokens accepted so far
-        # prompt ∪ output, for the repetition penalty
-        self.seen = torch.zeros(vocab, dtype=torch.bool) if self.repetition != 1 else None
-        if self.seen is not None and prompt:
-            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+        # prompt ∪ output, for the repetition penalty: a membership mask and the ids in it (the rule touches only
+        # those, so a step costs O(distinct tokens seen), not O(vocab))
+        self.seen = _IdSet(vocab, prompt) if self.repetition != 1 else None
         # how often each token was generated, for presence / frequency
-        self.counts = torch.zeros(vocab, dtype=torch.float64) if self.presence or self.frequency else None
+        self.output = _IdSet(vocab, ()) if self.presence or self.frequency else None
+        self.counts = torch.zeros(vocab, dtype=torch.float64) if self.output is not None else None
 
     def apply(self, scores: torch.Tensor, request: Request) -> torch.Tensor:
         """The processed scores for `request`'s next token (may modify `scores` in place and return it)."""
@@ -50,23 +52,45 @@ class Pipeline:
             scores[self.stop_ids] = float("-inf")
         if self.bias_ids is not None and self.bias_values is not None:
             scores.index_add_(0, self.bias_ids, self.bias_values)
-        if self.seen is not None:
-            penalised = torch.where(scores > 0, scores / self.repetition, scores * self.repetition)
-            scores = torch.where(self.seen, penalised, scores)
-        if self.counts is not None:
-            if self.frequency:
-                scores -= self.frequency * self.counts
-            if self.presence:
-                scores -= self.presence * (self.counts > 0).to(torch.float64)
+        if self.seen is not None and self.seen.ids:
+            index = self.seen.index()
+            values = scores[index]
+            scores[index] = torch.where(values > 0, values / self.repetition, values * self.repetition)
+        if self.output is not None and self.counts is not None and self.output.ids:
+            index = self.output.index()
+            scores[index] -= self.frequency * self.counts[index] + self.presence
         return scores
 
     def accepted(self, token: int) -> None:
         """`token` was chosen: update what the penalties count (incrementally, never recounted)."""
         self.generated += 1
         if self.seen is not None:
-            self.seen[token] = True
-        if self.counts is not None:
+            self.seen.add(token)
+        if self.output is not None and self.counts is not None:
+            self.output.add(token)
             self.counts[token] += 1
+
+
+class _IdSet:
+    """Distinct token ids in first-seen order, with their index tensor made again only when one was added."""
+
+    def __init__(self, vocab: int, ids: Sequence[int]) -> None:
+        self.member = bytearray(vocab)
+        self.ids: list[int] = []
+        self._index: torch.Tensor | None = None
+        for token in ids:
+            self.add(token)
+
+    def add(self, token: int) -> None:
+        if not self.member[token]:
+            self.member[token] = 1
+            self.ids.append(token)
+            self._index = None
+
+    def index(self) -> torch.Tensor:
+        if self._index is None:
+            self._index = torch.tensor(self.ids, dtype=torch.long)
+        return self._index
 
 
 def build_pipeline(params: SamplingParams, prompt: list[int], vocab: int) -> Pipeline | None:
