@@ -92,6 +92,9 @@ class _Sampling(BaseModel):
     service_tier: Any = None
 
     def refuse_unsupported(self) -> None:
+        # vLLM answers any suffix, even "", with 400 "suffix is not currently supported" (no fill-in-the-middle)
+        if getattr(self, "suffix", None) is not None:
+            raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
         if self.n != 1 or (self.best_of is not None and self.best_of != 1):
             field = "n" if self.n != 1 else "best_of"
             raise ApiError(400, f"{field} must be 1: one choice per request (send several requests)", param=field)
@@ -100,9 +103,6 @@ class _Sampling(BaseModel):
             raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
         if getattr(self, "echo", False):
             raise ApiError(400, "echo is not supported by this server", param="echo")
-        # vLLM answers any suffix, even "", with 400 "suffix is not currently supported" (no fill-in-the-middle)
-        if getattr(self, "suffix", None) is not None:
-            raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings: at most MAX_STOPS (OpenAI allows 4, vLLM any number; lm-eval sends ~5), each
