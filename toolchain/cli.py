@@ -469,10 +469,23 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Keep the k likeliest tokens (0: all).")] = 0,
     seed: Annotated[int, typer.Option(min=0, help="Sampling seed.")] = 0,
     stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop string (repeatable).")] = None,
+    presence_penalty: Annotated[
+        float, typer.Option("--presence-penalty", min=-2.0, max=2.0, help="OpenAI's: minus this per generated token.")
+    ] = 0.0,
+    frequency_penalty: Annotated[
+        float, typer.Option("--frequency-penalty", min=-2.0, max=2.0, help="OpenAI's: minus this times its count.")
+    ] = 0.0,
+    repetition_penalty: Annotated[
+        float, typer.Option("--repetition-penalty", min=0.0, help="HF's, over prompt and output (1: off).")
+    ] = 1.0,
+    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Drop tokens below min_p x the top.")] = 0.0,
+    logit_bias: Annotated[
+        list[str] | None, typer.Option("--logit-bias", help="ID=BIAS added to that token's logit (repeatable).")
+    ] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Generate text with an engine through the in-flight batching runtime."""
+    """Generate text with an engine through the in-flight batching runtime (the server's sampling parameters)."""
     from toolchain.engine.api import close_engine, load_tokenizer, open_engine
     from toolchain.runtime.llm_engine import LLMEngine
     from toolchain.runtime.request import FinishReason, SamplingParams
@@ -480,11 +493,26 @@ def generate(
     with _handled():
         if not 0 < top_p <= 1:
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
+        if repetition_penalty <= 0:
+            raise UserError(f"--repetition-penalty {repetition_penalty}: must be > 0 (1: off)")
         engine = open_engine(engine_dir)  # first: the tokenizer is one of the files it checks
         try:
             tok = load_tokenizer(engine_dir)
             eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
-            params = SamplingParams(max_new_tokens, temperature, top_k, top_p, seed, eos, tuple(stop or ()))
+            params = SamplingParams(
+                max_new_tokens,
+                temperature,
+                top_k,
+                top_p,
+                seed,
+                eos,
+                tuple(stop or ()),
+                presence_penalty=presence_penalty,
+                frequency_penalty=frequency_penalty,
+                repetition_penalty=repetition_penalty,
+                logit_bias=_logit_bias(logit_bias or []),
+                min_p=min_p,
+            )
             with LLMEngine(engine, tok) as llm:
                 events = llm.submit(prompt, params)
                 ids, pieces = [], []
@@ -503,6 +531,19 @@ def generate(
     text = "".join(pieces)
     result = {"prompt": prompt, "text": text, "tokens": ids, "finish_reason": event.finish_reason}
     _emit(result, json_out, [text])
+
+
+def _logit_bias(pairs: list[str]) -> tuple[tuple[int, float], ...]:
+    out = []
+    for pair in pairs:
+        token, _, bias = pair.partition("=")
+        try:
+            out.append((int(token), float(bias)))
+        except ValueError:
+            raise UserError(f"--logit-bias {pair!r}: expected ID=BIAS, e.g. 2=-100") from None
+        if out[-1][0] < 0 or not -100 <= out[-1][1] <= 100:
+            raise UserError(f"--logit-bias {pair!r}: the id must be >= 0 and the bias in [-100, 100]")
+    return tuple(out)
 
 
 @app.command(

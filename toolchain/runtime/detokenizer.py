@@ -18,7 +18,10 @@ decode(prompt + output) minus decode(prompt).
 
 Stop strings are searched only where a new match can be: the new text plus the last (longest stop - 1) characters
 before it. The text released to the client holds back that many characters, so a stop string split across tokens
-is never streamed in part; OpenAI's API excludes the stop string from the output.
+is never streamed in part; OpenAI's API excludes the stop string from the output. vLLM's two extensions
+(vllm/v1/engine/detokenizer.py `IncrementalDetokenizer.update` and `check_stop_strings`):
+`include_stop_str_in_output` keeps the stop string (and what follows it in the same token is still cut) and holds
+nothing back; `min_tokens` leaves the text of the first `min_tokens` tokens out of the search.
 """
 
 from __future__ import annotations
@@ -48,15 +51,20 @@ class IncrementalDetokenizer:
         stop_strings: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
         prompt: Sequence[int] = (),
+        include_stop: bool = False,
+        min_tokens: int = 0,
     ):
         self.tokenizer, self.stops, self.skip = tokenizer, tuple(s for s in stop_strings if s), skip_special_tokens
+        self.include_stop, self.min_tokens = include_stop, min_tokens
+        self.added = 0  # generated tokens taken
         self.ids: list[int] = [int(t) for t in prompt[max(0, len(prompt) - _CONTEXT) :]]  # left context
         self.prefix = 0  # window start
         self.read = len(self.ids)  # tokens whose text is in self.text (or is the prompt's)
         self.text = ""  # decoded so far (complete characters only)
         self.sent = 0  # characters of self.text released
         self.stopped: str | None = None  # the stop string that matched
-        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._reach = max((len(s) for s in self.stops), default=1) - 1  # a stop may start this far back
+        self._hold = 0 if include_stop else self._reach
 
     def _decode(self, ids: list[int]) -> str:
         # no clean-up: it rewrites text before the new tokens ("Hello ." -> "Hello."), which a window cannot follow
@@ -67,6 +75,7 @@ class IncrementalDetokenizer:
         a stop string may be starting). After a stop string matched, `stopped` is set and nothing more comes."""
         if self.stopped is not None:
             return ""
+        self.added += 1
         self.ids.append(token)
         before = self._decode(self.ids[self.prefix : self.read])
         after = self._decode(self.ids[self.prefix :])
@@ -90,14 +99,15 @@ class IncrementalDetokenizer:
         return None
 
     def _append(self, new: str) -> str:
-        start = max(0, len(self.text) - self._hold)
+        start = max(0, len(self.text) - self._reach)
         self.text += new
         if self.stops:
-            hits = [(self.text.find(s, start), s) for s in self.stops]
+            searched = self.added > self.min_tokens
+            hits = [(self.text.find(s, start), s) for s in self.stops] if searched else []
             found = [(at, s) for at, s in hits if at >= 0]
             if found:
                 at, self.stopped = min(found)
-                self.text = self.text[:at]
+                self.text = self.text[: at + len(self.stopped) if self.include_stop else at]
                 return self._release(len(self.text))
             return self._release(max(self.sent, len(self.text) - self._hold))
         return self._release(len(self.text))

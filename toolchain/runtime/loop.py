@@ -102,7 +102,15 @@ class Runtime:
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, next(self._order), request))
         if self.tokenizer is not None:
-            request.detok = IncrementalDetokenizer(self.tokenizer, request.params.stop_strings, prompt=request.prompt)
+            p = request.params
+            request.detok = IncrementalDetokenizer(
+                self.tokenizer,
+                p.stop_strings,
+                p.skip_special_tokens,
+                request.prompt,
+                p.include_stop_str_in_output,
+                p.min_tokens,
+            )
         self.requests[request.id] = request
         problem = self.check_request(request.prompt, request.params)
         if not problem:
@@ -302,11 +310,14 @@ class Runtime:
         if request.first_token is None:
             request.first_token = self.clock()
         p, detok = request.params, request.detok
+        # vLLM (v1/core/sched/utils.py `check_stop`): no stop token counts before min_tokens; a stop token's text is
+        # left out unless include_stop_str_in_output (v1/engine/detokenizer.py `update`)
+        stop_token = token in p.stop_token_ids and len(request.generated) >= p.min_tokens
         text = ""
-        if detok is not None and token not in p.stop_token_ids:
+        if detok is not None and (not stop_token or p.include_stop_str_in_output):
             text = detok.add(token)
         reason = None
-        if token in p.stop_token_ids:
+        if stop_token:
             reason = FinishReason.STOP_TOKEN
         elif detok is not None and detok.stopped is not None:
             reason = FinishReason.STOP_STRING

@@ -34,6 +34,8 @@ class SamplingParams:
     min_tokens: int = 0  # stop tokens are masked until this many tokens are generated
     min_p: float = 0.0  # vLLM: drop tokens whose probability is below min_p times the largest
     grammar: GrammarSpec | None = None  # structured output: every token must keep the text inside the grammar
+    include_stop_str_in_output: bool = False  # vLLM: the matched stop string (or stop token's text) stays in the text
+    skip_special_tokens: bool = True  # special tokens' text left out of the output (vLLM's default)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -60,7 +62,7 @@ class SamplingParams:
             or self.frequency_penalty != 0
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
-            or self.min_tokens > 0
+            or (self.min_tokens > 0 and bool(self.stop_token_ids))  # AIPerf's ignore_eos + min_tokens: nothing to mask
             or self.min_p > 0
             or self.grammar is not None
         )

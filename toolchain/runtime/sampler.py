@@ -1,6 +1,11 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus), each request with its own seeded generator."""
+"""Next-token sampling: greedy, temperature, min-p, top-k, top-p (nucleus), each request with its own seeded
+generator. The order is vLLM's (vllm/v1/sample/sampler.py `Sampler.sample`): temperature, then the argmax-invariant
+min_p (`MinPLogitsProcessor`: drop tokens whose probability is below min_p times the largest), then top-k / top-p.
+Greedy is the argmax of the scores (the request's pipeline has processed them already); min_p cannot change it."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -14,6 +19,8 @@ def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, generator:
         return int(torch.argmax(logits)) if isinstance(logits, torch.Tensor) else int(np.argmax(logits))
     scores = logits.double() if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float64))
     scores = (scores - scores.max()) / params.temperature  # max first: a tiny temperature cannot overflow to inf
+    if params.min_p > 0:  # the largest score is 0 here, so p / p_max = exp(score): below min_p <=> score < log(min_p)
+        scores = scores.masked_fill(scores < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < scores.numel():  # exactly k tokens, ties at the k-th broken by index
         keep = torch.zeros_like(scores, dtype=torch.bool)
         keep[torch.topk(scores, params.top_k).indices] = True

@@ -526,7 +526,9 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         every_params = []
         for i, ids in enumerate(prompts):
             try:
-                params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
+                params = sampling_params(
+                    body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer, state.spec.vocab_size
+                )
                 if grammar is not None:
                     params = dataclasses.replace(params, grammar=grammar)
                 problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts

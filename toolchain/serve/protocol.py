@@ -50,6 +50,9 @@ ACCEPTED_UNUSED = (
 )
 
 
+MAX_STOPS = 16  # stop strings per request
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="forbid")  # every accepted field is declared below
 
@@ -89,6 +92,9 @@ class _Sampling(BaseModel):
     service_tier: Any = None
 
     def refuse_unsupported(self) -> None:
+        # vLLM answers any suffix, even "", with 400 "suffix is not currently supported" (no fill-in-the-middle)
+        if getattr(self, "suffix", None) is not None:
+            raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
         if self.n != 1 or (self.best_of is not None and self.best_of != 1):
             field = "n" if self.n != 1 else "best_of"
             raise ApiError(400, f"{field} must be 1: one choice per request (send several requests)", param=field)
@@ -99,9 +105,13 @@ class _Sampling(BaseModel):
             raise ApiError(400, "echo is not supported by this server", param="echo")
 
     def stops(self) -> tuple[str, ...]:
+        """The stop strings: at most MAX_STOPS (OpenAI allows 4, vLLM any number; lm-eval sends ~5), each
+        non-empty. Each costs a search over the new text and holds back its length - 1 characters of the stream."""
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ApiError(400, "stop: up to 4 non-empty strings", param="stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):
+            raise ApiError(
+                400, f"stop: {len(stops)} strings; up to {MAX_STOPS} non-empty strings are accepted", param="stop"
+            )
         return tuple(stops)
 
 
