@@ -5,33 +5,43 @@ greedy rows batched with them still keep their logits on the device."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import save_random_llama
 
-from tests.runtime.test_host_rows import Spy
+from tests.conftest import save_random_llama
+from tests.runtime.logprob_bound import tolerance
 from toolchain.checkpoint.convert import convert
-from toolchain.engine.api import open_engine
+from toolchain.engine.api import StepTokens, open_engine
 from toolchain.engine.build import BuildOptions, build_engine
+from toolchain.engine.contract import Batch
 from toolchain.evaluate.engine_eval import EngineSession
 from toolchain.runtime.logprobs import log_softmax, token_logprob
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent, TokenLogprob
 
-# The runtime's logits come from other packings (batched, chunked, paged) than the scorer's, so float32 sums run in
-# another order: each logit may differ by a few ulp of the logits' scale, and a logprob (a logit minus a
-# log-sum-exp) by twice that. 16 ulp of float32 (eps 2**-23) at that scale, doubled, bounds it: measured here at most
-# 3.1e-6 for logits of magnitude ~5 (about 5 ulp), against a bound of ~1.6e-5.
-ULPS = 16
 
+class Spy:
+    """An engine that records the `sampled` rows of every call (as tests/runtime/test_host_rows.py's)."""
 
-def tolerance(logits: torch.Tensor) -> float:
-    scale = max(1.0, float(logits.abs().max()))
-    return 2 * ULPS * float(np.finfo(np.float32).eps) * scale
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.spec, self.vocab_size, self.tokens_per_block = engine.spec, engine.vocab_size, engine.tokens_per_block
+        self.calls: list[list[int]] = []
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return self.engine.new_kv_cache(num_blocks)  # type: ignore[no-any-return]
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        return self.engine.forward(batch, kv_cache)  # type: ignore[no-any-return]
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        self.calls.append(list(sampled))
+        return self.engine.forward_tokens(batch, kv_cache, sampled)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +84,7 @@ def check_against_scorer(engine: Any, request: Request, lps: list[TokenLogprob])
         assert abs(lp.logprob - ref[row, seq[pos]]) <= tol, (pos, lp.logprob, ref[row, seq[pos]])
         chosen = ref[row, seq[pos]]  # its rank: tokens within the tolerance of it may rank either side
         assert lp.rank is not None
-        assert 1 + np.count_nonzero(ref[row] > chosen + tol) <= lp.rank <= 1 + np.count_nonzero(ref[row] > chosen - tol)
+        assert np.count_nonzero(ref[row] >= chosen + tol) < lp.rank <= np.count_nonzero(ref[row] >= chosen - tol)
         assert len(lp.top) == top
         kth = np.sort(ref[row])[::-1][top - 1] if top else np.inf
         for t, value in lp.top:
@@ -104,6 +114,7 @@ def test_token_logprob_top_ties_by_id_and_rank() -> None:
     lse = np.log(np.exp(row.astype(np.float64)).sum())
     assert lp.top == ((1, 3.0 - lse), (2, 3.0 - lse)) and lp.logprob == 2.0 - lse and lp.rank == 4
     assert token_logprob(row, 0, 0).top == () and token_logprob(row, 0, 0).rank == 5
+    assert token_logprob(row, 2, 1).rank == 3  # ties rank together, counted as at least as likely (vLLM's)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -150,7 +161,7 @@ def test_prompt_logprobs_skip_the_prefix_cache(engine: Any) -> None:
 
 def test_plain_greedy_rows_stay_on_the_device_beside_logprob_rows(engine: Any) -> None:
     spy = Spy(engine)
-    rt = Runtime(spy, num_blocks=64)
+    rt = Runtime(spy, num_blocks=64)  # type: ignore[arg-type]
     ps = prompts(4, seed=5)
     jobs = [(p, SamplingParams(max_new_tokens=6)) for p in ps[:3]] + [
         (ps[3], SamplingParams(max_new_tokens=6, logprobs=2))

@@ -34,10 +34,11 @@ def log_softmax(row: np.ndarray) -> np.ndarray:
 
 def token_logprob(row: np.ndarray, token: int, top: int) -> TokenLogprob:
     """`token`'s raw logprob in the logits `row` [vocab], with the `top` best alternatives (best first; equal
-    logprobs in token-id order) and the token's rank (1 + how many tokens are strictly more likely, vLLM's)."""
+    logprobs in token-id order) and the token's rank: how many tokens are at least as likely, itself included
+    (vLLM's, vllm/v1/sample/ops/logprobs.py `batched_count_greater_than`)."""
     lp = log_softmax(row)
     chosen = float(lp[token])
-    rank = int(np.count_nonzero(lp > chosen)) + 1
+    rank = int(np.count_nonzero(lp >= chosen))
     best: tuple[tuple[int, float], ...] = ()
     if top > 0:
         k = min(top, lp.shape[0])

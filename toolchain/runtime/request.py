@@ -84,7 +84,7 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
-    rank: int | None = None  # 1 + how many tokens the row makes strictly more likely (vLLM's Logprob.rank)
+    rank: int | None = None  # how many tokens are at least as likely, itself included (vLLM's Logprob.rank)
 
 
 class FinishReason(str, enum.Enum):

@@ -505,6 +505,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         _check_model(state, body.model)
         body.refuse_unsupported()
+        shapes.check_logprobs(body)
         if isinstance(body, ChatCompletionRequest):
             tools.check_tools(body)
         ids = _prompt_ids(state, body)
@@ -634,8 +635,15 @@ async def _respond(
         error.logged = True  # _finish wrote its line
         raise error
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
-    out = completion_body(a.id, body.model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False)
-    out["choices"][0]["logprobs"] = shapes.response_logprobs(state.tokenizer, body, a.logprobs, a.prompt_logprobs)
+    text, generated = ("", []) if shapes.echo_only(body) else ("".join(a.text), a.logprobs)
+    text = shapes.echo_text(state.tokenizer, body, a.prompt_ids) + text
+    out = completion_body(a.id, body.model, text, a.finish_reason.openai, use, chat, chunk=False)
+    choice = out["choices"][0]
+    choice["logprobs"] = shapes.response_logprobs(
+        state.tokenizer, body, generated, a.prompt_logprobs, prompt_ids=a.prompt_ids
+    )
+    if (prompt_lps := shapes.prompt_logprobs(state.tokenizer, body, a.prompt_logprobs)) is not None:
+        choice["prompt_logprobs"] = prompt_lps
     return JSONResponse(out)
 
 
@@ -671,14 +679,21 @@ async def _sse(
             first = completion_body(a.id, model, "", None, None, chat, chunk=True)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield _sse_data(first)
+        echo, echo_only = shapes.echo_text(state.tokenizer, body, a.prompt_ids), shapes.echo_only(body)
         async for event in _events(state, a, request):
-            lps = [event.logprob] if event.logprob is not None else []
-            chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, None, sent_chars) if lps else None
-            if event.text or chunk_lps is not None:
-                chunk = completion_body(a.id, model, event.text, None, None, chat, chunk=True)
+            lps = [event.logprob] if event.logprob is not None and not echo_only else []
+            text = "" if echo_only else event.text
+            prompt_lps = None
+            if echo and event.token is not None:  # vLLM: the prompt goes out with the first token
+                text, prompt_lps, echo = echo + text, a.prompt_logprobs, ""
+            chunk_lps = None
+            if lps or prompt_lps is not None:
+                chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, prompt_lps, sent_chars, a.prompt_ids)
+            if text or chunk_lps is not None:
+                chunk = completion_body(a.id, model, text, None, None, chat, chunk=True)
                 chunk["choices"][0]["logprobs"] = chunk_lps
                 yield _sse_data(chunk)
-                sent_chars += len(event.text)
+                sent_chars += len(text)
             if not event.finished:
                 continue
             error = _finish_error(state, event)

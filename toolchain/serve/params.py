@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolchain.runtime.request import SamplingParams
+from toolchain.serve import shapes
 from toolchain.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 # below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
@@ -35,12 +36,15 @@ def sampling_params(
     asked = asked if asked is not None else body.max_tokens
     default = limit - len(ids) if isinstance(body, ChatCompletionRequest) else min(16, limit - len(ids))
     max_tokens = default if asked is None else asked
+    if shapes.echo_only(body):  # vLLM: echo with max_tokens 0 runs the engine once, then returns the prompt only
+        max_tokens = 1
     if max_tokens < 1 or len(ids) + max_tokens > limit:
         raise ApiError(
             400,
             f"max_tokens {max_tokens}: must be >= 1 and prompt ({len(ids)}) + max_tokens <= max_seq_len {limit}",
             param="max_tokens",
         )
+    logprobs, prompt_logprobs = shapes.logprob_counts(body)
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=body.temperature if body.temperature >= GREEDY_BELOW else 0.0,
@@ -49,4 +53,6 @@ def sampling_params(
         seed=body.seed,
         stop_token_ids=eos_ids,
         stop_strings=body.stops(),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
