@@ -347,6 +347,18 @@ def _install_openai(app: FastAPI, state: ServerState) -> None:
             out["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return JSONResponse(out)
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> JSONResponse:
+        """vLLM's tokenizer description, the keys lm-eval's remote tokenizer reads (lm_eval/utils.py
+        RemoteTokenizer: eos_token, bos_token, pad_token, chat_template). Minimal: issue 29's slice D owns the
+        full route."""
+        _authorize(state, request)
+        tok = state.tokenizer
+        if tok is None:
+            raise ApiError(404, "this engine has no tokenizer, so no tokenizer_info: send token ids", "not_found_error")
+        keys = ("eos_token", "bos_token", "pad_token", "chat_template")
+        return JSONResponse({k: (str(v) if (v := getattr(tok, k, None)) is not None else None) for k in keys})
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> JSONResponse:
         _authorize(state, request)
