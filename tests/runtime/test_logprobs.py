@@ -23,6 +23,7 @@ from toolchain.evaluate.engine_eval import EngineSession
 from toolchain.runtime.logprobs import log_softmax, token_logprob
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent, TokenLogprob
+from toolchain.runtime.scheduler import Scheduler
 
 
 class Spy:
@@ -137,12 +138,22 @@ def test_prompt_logprobs_across_chunked_prefill(engine: Any) -> None:
         check_against_scorer(engine, r, lps)
 
 
-def test_prompt_logprobs_after_a_preemption(engine: Any) -> None:
+def test_prompt_logprobs_after_a_preemption(engine: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool far too small and 5-token chunks: requests are preempted mid-prompt (part of their prompt logprobs
+    collected) and after it; the recomputed rows change nothing."""
+    victims: list[tuple[int, int]] = []  # (prompt positions collected, prompt length) of each preempted request
+    preempt = Scheduler._preempt
+
+    def record(self: Scheduler, victim: Request) -> None:
+        victims.append((len(victim.prompt_lps), len(victim.prompt)))
+        preempt(self, victim)
+
+    monkeypatch.setattr(Scheduler, "_preempt", record)
     ps = prompts(6, seed=4)
     params = SamplingParams(max_new_tokens=10, temperature=1.0, seed=7, logprobs=1, prompt_logprobs=1)
-    rt = Runtime(engine, num_blocks=12, watermark=0.0)  # far too small: recompute after preemption
+    rt = Runtime(engine, replace(engine.spec.limits, max_num_tokens=5), num_blocks=12, watermark=0.0)
     runs = run(rt, [(p, params) for p in ps])
-    assert rt.scheduler.preempted > 0 and any(r.preemptions for r, _ in runs)
+    assert any(0 < got < length for got, length in victims) and any(got == length for got, length in victims)
     for r, lps in runs:
         check_against_scorer(engine, r, lps)
 
