@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -162,3 +163,22 @@ class FakeRankedEngine(FakeEngine):
                 self.timeout_rank, "AllReduce", "after layer 0 mlp.proj", group, self.hang_s, "timed out"
             )
         return super().forward(batch, kv_cache)
+
+
+class Spy:
+    """Wraps an engine and records the `sampled` rows of every call: which rows' logits came to the host."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.spec, self.vocab_size, self.tokens_per_block = engine.spec, engine.vocab_size, engine.tokens_per_block
+        self.calls: list[list[int]] = []
+
+    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
+        return self.engine.new_kv_cache(num_blocks)  # type: ignore[no-any-return]
+
+    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
+        return self.engine.forward(batch, kv_cache)  # type: ignore[no-any-return]
+
+    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
+        self.calls.append(list(sampled))
+        return self.engine.forward_tokens(batch, kv_cache, sampled)  # type: ignore[no-any-return]

@@ -5,39 +5,19 @@ sequences and the last position's for the others."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from conftest import save_random_llama
+from fakes import Spy
 
 from toolchain.checkpoint.convert import convert
-from toolchain.engine.api import StepTokens, open_engine
+from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.engine.contract import Batch
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import SamplingParams
-
-
-class Spy:
-    """An engine that records the `sampled` rows of every call."""
-
-    def __init__(self, engine: Any) -> None:
-        self.engine = engine
-        self.spec, self.vocab_size, self.tokens_per_block = engine.spec, engine.vocab_size, engine.tokens_per_block
-        self.calls: list[list[int]] = []
-
-    def new_kv_cache(self, num_blocks: int) -> torch.Tensor:
-        return self.engine.new_kv_cache(num_blocks)  # type: ignore[no-any-return]
-
-    def forward(self, batch: Batch, kv_cache: torch.Tensor) -> np.ndarray:
-        return self.engine.forward(batch, kv_cache)  # type: ignore[no-any-return]
-
-    def forward_tokens(self, batch: Batch, kv_cache: torch.Tensor, sampled: Sequence[int]) -> StepTokens:
-        self.calls.append(list(sampled))
-        return self.engine.forward_tokens(batch, kv_cache, sampled)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import save_random_llama
-from fakes import FakeEngine
-from test_host_rows import PROMPTS, Spy
+from fakes import FakeEngine, Spy
+from test_host_rows import PROMPTS
 
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.tiny import byte_level_tokenizer

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from tests.serve.helpers import (  # the in-process server helpers (fixtures: conftest.py)
+from tests.serve.helpers import (  # the in-process server helpers (fixtures: tests/serve/fixtures.py)
     MAX_SEQ_LEN,
     MODEL,
     TIMEOUT,

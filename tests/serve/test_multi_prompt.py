@@ -13,8 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
-from tests.serve.helpers import (  # the in-process server helpers (fixtures: conftest.py)
+from tests.runtime.logprob_bound import tolerance
+from tests.serve.helpers import (  # the in-process server helpers (fixtures: tests/serve/fixtures.py)
     MAX_SEQ_LEN,
     MODEL,
     TIMEOUT,
@@ -128,3 +130,29 @@ def test_each_prompt_is_a_request_in_the_metrics(server: Running) -> None:
         metric(after, "vllm:prompt_tokens_total") - metric(before, "vllm:prompt_tokens_total")
         == (usage["prompt_tokens"])
     )
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_echo_and_logprobs_per_prompt_equal_each_alone(server: Running, tokenizer: Any, max_tokens: int) -> None:
+    """lm-eval's loglikelihood requests at batch_size > 1: several id prompts with echo and logprobs; each choice
+    (echoed text, prompt and generated logprobs) equals the prompt's own request's."""
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    more = {"echo": True, "logprobs": 1, "max_tokens": max_tokens}
+    alone = []
+    for p in prompts:
+        response = post(server.url, greedy(p, **more))
+        assert response.status_code == 200, response.text
+        alone.append(response.json()["choices"][0])
+    response = post(server.url, greedy(prompts, **more))
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    for i, (got, want) in enumerate(zip(choices, alone, strict=True)):
+        assert got["index"] == i
+        assert got["text"] == want["text"] and got["text"].startswith(tokenizer.decode(prompts[i]))
+        assert got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+        # other packings of the same engine: the float32 bound of tests/runtime/logprob_bound.py (logits ~5 here)
+        bound = tolerance(torch.tensor(5.0))
+        assert got["logprobs"]["token_logprobs"] == pytest.approx(want["logprobs"]["token_logprobs"], abs=bound)
+        assert len(got["logprobs"]["token_logprobs"]) == len(prompts[i]) + max_tokens
+    streamed = post(server.url, greedy(prompts, stream=True, **more))
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"

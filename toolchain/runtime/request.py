@@ -81,11 +81,12 @@ class GrammarSpec:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One position's raw logprob (log-softmax of the engine's logits, before any penalty, bias, mask or
-    temperature): the token, its logprob, and the `top` alternatives (id, logprob), best first."""
+    temperature): the token, its logprob, the `top` alternatives (id, logprob), best first, and its rank."""
 
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # how many tokens are at least as likely, itself included (vLLM's Logprob.rank)
 
 
 class FinishReason(str, enum.Enum):

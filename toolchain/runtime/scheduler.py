@@ -106,7 +106,8 @@ class Scheduler:
             total = len(request.tokens) + request.params.max_new_tokens - len(request.generated)
             if self.policy == "guaranteed_no_evict" and not self.blocks.can_allocate_for(request, total):
                 break
-            self.blocks.share_prefix(request)
+            if request.params.prompt_logprobs is None:  # a cached block has no logits to report (as vLLM)
+                self.blocks.share_prefix(request)
             chunk = min(request.pending, budget)
             target = total if self.policy == "guaranteed_no_evict" else request.num_computed + chunk
             if not self.blocks.can_allocate_for(request, target) or not self.blocks.allocate_for(request, target):

@@ -519,6 +519,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         _check_model(state, body.model)
         body.refuse_unsupported()
+        shapes.check_logprobs(body)
         if isinstance(body, ChatCompletionRequest):
             tools.check_tools(body)
         prompts = _prompt_ids(state, body)
@@ -543,6 +544,11 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         raise _reject(state, "bad_request", e) from e
     if len(prompts) > 1:
         assert isinstance(body, CompletionRequest)
+        if body.stream and (body.echo or body.logprobs is not None):
+            error = ApiError(
+                400, "echo and logprobs with several prompts are served unstreamed: set stream false", param="stream"
+            )
+            raise _reject(state, "bad_request", error)
         return await _generate_many(state, request, body, key_id, prompts, every_params, arrived)
     loop = asyncio.get_running_loop()
     admitted = _admit(state, key_id, prompts[0], every_params[0], arrived, loop, "chatcmpl" if chat else "cmpl")
@@ -604,10 +610,7 @@ async def _generate_many(
             raise error
     use = usage(sum(len(a.prompt_ids) for a in admitted), sum(a.final.generated_tokens for a in admitted if a.final))
     out = completion_body(admitted[0].id, body.model, "", None, use, chat=False, chunk=False)
-    out["choices"] = [
-        _choice(a.id, body.model, "".join(a.text), a.finish_reason.openai, i, chunk=False)
-        for i, a in enumerate(admitted)
-    ]
+    out["choices"] = [_final_choice(state, body, a, False, i) for i, a in enumerate(admitted)]
     return JSONResponse(out)
 
 
@@ -768,9 +771,27 @@ async def _respond(
         error.logged = True  # _finish wrote its line
         raise error
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
-    out = completion_body(a.id, body.model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False)
-    out["choices"][0]["logprobs"] = shapes.response_logprobs(state.tokenizer, body, a.logprobs, a.prompt_logprobs)
+    out = completion_body(a.id, body.model, "", None, use, chat, chunk=False)
+    out["choices"] = [_final_choice(state, body, a, chat, 0)]
     return JSONResponse(out)
+
+
+def _final_choice(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, a: _Admitted, chat: bool, index: int
+) -> dict[str, Any]:
+    """A finished request's choice: its text (after the echoed prompt), logprobs and prompt logprobs as asked."""
+    text, generated = ("", []) if shapes.echo_only(body) else ("".join(a.text), a.logprobs)
+    text = shapes.echo_text(state.tokenizer, body, a.prompt_ids, index) + text
+    choice: dict[str, Any] = completion_body(a.id, body.model, text, a.finish_reason.openai, None, chat, chunk=False)[
+        "choices"
+    ][0]
+    choice["index"] = index
+    choice["logprobs"] = shapes.response_logprobs(
+        state.tokenizer, body, generated, a.prompt_logprobs, prompt_ids=a.prompt_ids
+    )
+    if (prompt_lps := shapes.prompt_logprobs(state.tokenizer, body, a.prompt_logprobs)) is not None:
+        choice["prompt_logprobs"] = prompt_lps
+    return choice
 
 
 def _finish_error(state: ServerState, final: TokenEvent) -> ApiError | None:
@@ -805,14 +826,21 @@ async def _sse(
             first = completion_body(a.id, model, "", None, None, chat, chunk=True)
             first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
             yield _sse_data(first)
+        echo, echo_only = shapes.echo_text(state.tokenizer, body, a.prompt_ids), shapes.echo_only(body)
         async for event in _events(state, a, request):
-            lps = [event.logprob] if event.logprob is not None else []
-            chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, None, sent_chars) if lps else None
-            if event.text or chunk_lps is not None:
-                chunk = completion_body(a.id, model, event.text, None, None, chat, chunk=True)
+            lps = [event.logprob] if event.logprob is not None and not echo_only else []
+            text = "" if echo_only else event.text
+            prompt_lps = None
+            if echo and event.token is not None:  # vLLM: the prompt goes out with the first token
+                text, prompt_lps, echo = echo + text, a.prompt_logprobs, ""
+            chunk_lps = None
+            if lps or prompt_lps is not None:
+                chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, prompt_lps, sent_chars, a.prompt_ids)
+            if text or chunk_lps is not None:
+                chunk = completion_body(a.id, model, text, None, None, chat, chunk=True)
                 chunk["choices"][0]["logprobs"] = chunk_lps
                 yield _sse_data(chunk)
-                sent_chars += len(event.text)
+                sent_chars += len(text)
             if not event.finished:
                 continue
             error = _finish_error(state, event)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from toolchain.runtime.request import SamplingParams
+from toolchain.serve import shapes
 from toolchain.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
 
 # below this a temperature is greedy, as in vLLM: logits / 1e-300 overflow to inf, and the NaN that softmax makes
@@ -40,6 +41,8 @@ def sampling_params(
     asked = asked if asked is not None else body.max_tokens
     default = limit - len(ids) if isinstance(body, ChatCompletionRequest) else min(16, limit - len(ids))
     max_tokens = default if asked is None else asked
+    if shapes.echo_only(body):  # vLLM: echo with max_tokens 0 runs the engine once, then returns the prompt only
+        max_tokens = 1
     if max_tokens < 1 or len(ids) + max_tokens > limit:
         raise ApiError(
             400,
@@ -59,6 +62,7 @@ def sampling_params(
         raise ApiError(
             400, f"stop_token_ids {bad}: outside this engine's vocabulary [0, {vocab_size})", param="stop_token_ids"
         )
+    logprobs, prompt_logprobs = shapes.logprob_counts(body)
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=body.temperature if body.temperature >= GREEDY_BELOW else 0.0,
@@ -75,6 +79,8 @@ def sampling_params(
         min_p=body.min_p,
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

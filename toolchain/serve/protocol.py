@@ -98,11 +98,6 @@ class _Sampling(BaseModel):
         if self.n != 1 or (self.best_of is not None and self.best_of != 1):
             field = "n" if self.n != 1 else "best_of"
             raise ApiError(400, f"{field} must be 1: one choice per request (send several requests)", param=field)
-        # FRAME: slice A replaces these two refusals by serve/shapes.check_logprobs
-        if getattr(self, "logprobs", None) not in (None, False) or getattr(self, "prompt_logprobs", None) is not None:
-            raise ApiError(400, "logprobs are not supported by this server", param="logprobs")
-        if getattr(self, "echo", False):
-            raise ApiError(400, "echo is not supported by this server", param="echo")
 
     def stops(self) -> tuple[str, ...]:
         """The stop strings: at most MAX_STOPS (OpenAI allows 4, vLLM any number; lm-eval sends ~5), each
