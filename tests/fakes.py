@@ -104,20 +104,18 @@ class FakeEngine:
         if self.delay_s:
             time.sleep(self.delay_s)
         tpb, num_blocks = self.tokens_per_block, kv_cache.shape[1]
-        if batch.logits_index.size != batch.new_lens.size:
-            raise NotImplementedError("the fake engine gives one logits row per sequence (generation), not per token")
         batch.check(tpb)
         batch.check_blocks(num_blocks, tpb)
         pool = kv_cache.numpy()[0, :, 0, 0, :, 0]  # [blocks, tokens_per_block]: a view, written in place
         seq = np.repeat(np.arange(batch.new_lens.size), batch.new_lens)
         pos = batch.position_ids.astype(np.int64)
         pool[batch.block_tables[seq, pos // tpb], pos % tpb] = batch.input_ids
-        ends = batch.context_lens.astype(np.int64) + batch.new_lens
         logits = np.zeros((batch.logits_index.size, self.vocab_size), dtype=np.float32)
-        for s, end in enumerate(ends.tolist()):
+        for r, at in enumerate(batch.logits_index.tolist()):  # each output row sees its context up to its token
+            s, end = int(seq[at]), int(pos[at]) + 1
             blocks = batch.block_tables[s, : -(-end // tpb)]
             context = pool[blocks].reshape(-1)[:end].astype(np.int64)
-            logits[s, self.model(context)] = 1.0
+            logits[r, self.model(context)] = 1.0
         self.calls += 1
         self.seen += int(batch.new_lens.size)
         return logits

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from toolchain.engine.api import Engine, Limits
+from toolchain.engine.api import Engine, Limits, StepTokens
 from toolchain.engine.contract import Batch
 from toolchain.runtime import logprobs
 from toolchain.runtime.blocks import BlockManager
@@ -25,7 +25,8 @@ from toolchain.runtime.guided import Guide
 from toolchain.runtime.processors import build_pipeline
 from toolchain.runtime.request import FinishReason, Request, SamplingParams, Status, TokenEvent, TokenLogprob
 from toolchain.runtime.sampler import sample
-from toolchain.runtime.scheduler import Scheduler
+from toolchain.runtime.scheduler import Scheduled, Scheduler
+from toolchain.runtime.speculative import Draft, SpecConfig, SpecStats, make_proposer
 
 
 class Runtime:
@@ -40,6 +41,8 @@ class Runtime:
         clock: Callable[[], float] = time.monotonic,
         watermark: float = 0.01,
         record_utilization: bool = False,
+        speculation: SpecConfig | None = None,
+        draft_engine: Engine | None = None,
     ):
         """`limits`: the engine's own unless given (tests narrow them); `tokenizer`: text in events and stop
         strings; `record_utilization`: keep (time, blocks in use) after every step, for trace replay."""
@@ -47,7 +50,17 @@ class Runtime:
         self.limits = limits or engine.spec.limits
         blocks = num_blocks or self.limits.num_blocks
         self.blocks = BlockManager(blocks, engine.tokens_per_block, watermark, prefix_sharing)
-        self.scheduler = Scheduler(self.blocks, self.limits.max_batch_size, self.limits.max_num_tokens, policy)
+        self.speculation = speculation
+        self.proposer = make_proposer(speculation, engine, draft_engine) if speculation is not None else None
+        self.spec_stats = SpecStats()  # over every request, since the start
+        self.scheduler = Scheduler(
+            self.blocks,
+            self.limits.max_batch_size,
+            self.limits.max_num_tokens,
+            policy,
+            speculation.num_speculative_tokens if speculation is not None else 0,
+            self.limits.max_seq_len,
+        )
         self.pool = engine.new_kv_cache(blocks)
         self.requests: dict[str, Request] = {}  # live requests only
         self.record_utilization = record_utilization
@@ -145,6 +158,8 @@ class Runtime:
             self.scheduler.waiting.remove(request)
         self.scheduler.free(request)
         self.guide.release(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
         request.status, request.finish_reason, request.error = status, reason, error
         request.finished_at = self.clock()
         self.requests.pop(request.id, None)
@@ -224,20 +239,23 @@ class Runtime:
                 s.request.first_scheduled = now
                 s.request.num_cached = s.context_len
                 self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
-        # sequences whose chunk needs every position's logits (prompt logprobs), and each sequence's output rows
+        drafts = self._propose(scheduled)  # speculation: each decode's drafted tokens, appended to its chunk
+        # sequences whose chunk needs every position's logits (prompt logprobs, drafts to verify), and each
+        # sequence's output rows
         every = [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
-        counts = [len(s.tokens) if e else 1 for s, e in zip(scheduled, every, strict=True)]
+        many = [e or d is not None for e, d in zip(every, drafts, strict=True)]
+        counts = [len(s.tokens) if m else 1 for s, m in zip(scheduled, many, strict=True)]
         last = list(itertools.accumulate(counts))  # one past each sequence's last output row
         batch = Batch.from_sequences(
             [s.tokens for s in scheduled],
             [s.context_len for s in scheduled],
             [s.request.blocks for s in scheduled],
-            every if any(every) else False,
+            many if any(many) else False,
         )
         sampled: list[int] = []  # output rows whose logits come to the host: only for requests that need them
         constrained: list[Request] = []
         for i, s in enumerate(scheduled):
-            if every[i]:
+            if every[i] or (drafts[i] is not None and s.request.params.needs_host_logits):
                 sampled.extend(range(last[i] - counts[i], last[i]))
             elif s.request.params.needs_host_logits and s.context_len + len(s.tokens) >= len(s.request.tokens):
                 sampled.append(last[i] - 1)
@@ -254,6 +272,10 @@ class Runtime:
         for i, s in enumerate(scheduled):
             request = s.request
             if request.done:  # cancelled while this step ran
+                continue
+            draft = drafts[i]
+            if draft is not None:
+                tokens += self._verify(request, draft, last[i] - counts[i], step, greedy_ids, ended)
                 continue
             self.blocks.advance(request, len(s.tokens))
             row = last[i] - 1
@@ -283,6 +305,59 @@ class Runtime:
             self.utilization.append((self.clock(), used))
         self._flush()
         return ended
+
+    def _propose(self, scheduled: list[Scheduled]) -> list[Draft | None]:
+        """The proposer's drafts for the decodes with reserved slots (None elsewhere), appended to their chunks."""
+        if self.proposer is None or not any(s.spec for s in scheduled):
+            return [None] * len(scheduled)
+        drafts = self.proposer.propose(scheduled)
+        for k, (s, d) in enumerate(zip(scheduled, drafts, strict=True)):
+            if d is None or not d.tokens or not s.spec:
+                drafts[k] = None
+                continue
+            if len(d.tokens) > s.spec:  # a proposer may not use more slots than the scheduler reserved
+                raise RuntimeError(f"the proposer drafted {len(d.tokens)} tokens for {s.spec} slots")
+            s.tokens = s.tokens + d.tokens
+        return drafts
+
+    def _verify(
+        self,
+        request: Request,
+        draft: Draft,
+        first_row: int,
+        step: StepTokens,
+        greedy_ids: list[int],
+        ended: list[Request],
+    ) -> int:
+        """Keep the drafted tokens the target agrees with, left to right, and the target's own token after them;
+        returns how many tokens were emitted. Each position goes through `_choose` / `_accept` as a plain step would
+        (stops, min_tokens, penalties' counts see the tokens before it). The KV of an accepted draft is the
+        accepted token's (it was fed at that position), so the request advances over it; a rejected draft's is left
+        past `num_computed`, to be overwritten."""
+        self.blocks.advance(request, 1)  # the last token, fed first
+        accepted = emitted = 0
+        for j in range(len(draft.tokens) + 1):
+            row = first_row + j
+            proposed = draft.tokens[j] if j < len(draft.tokens) else None
+            try:
+                if request.params.needs_host_logits:
+                    token, logprob = self._choose(request, step.rows[row])
+                else:
+                    token, logprob = greedy_ids[row], None
+            except (RuntimeError, ValueError) as e:
+                self._retire(request, Status.FAILED, FinishReason.ERROR, f"sampling failed: {e}")
+                ended.append(request)
+                break
+            hit = token == proposed
+            accepted += hit
+            emitted += 1
+            self._accept(request, token, ended, logprob)
+            if request.done or not hit:
+                break
+            self.blocks.advance(request, 1)
+        request.spec.observe(len(draft.tokens), accepted)
+        self.spec_stats.observe(len(draft.tokens), accepted)
+        return emitted
 
     def _choose(self, request: Request, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
         """The next token of a host row, from the engine's raw logits `row`: the grammar mask, the request's
@@ -331,6 +406,8 @@ class Runtime:
         request.status, request.finish_reason, request.finished_at = Status.FINISHED, reason, self.clock()
         self.scheduler.free(request)
         self.guide.release(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
         self.requests.pop(request.id, None)
         self._emit(request, token, text, reason, logprob)
         ended.append(request)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from toolchain.runtime.detokenizer import IncrementalDetokenizer
+from toolchain.runtime.speculative import SpecStats
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,8 @@ class Request:
     guide_state: Any = None  # the grammar matcher, runtime/guided.py's
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)  # prompt logprobs collected so far
     prompt_lps_sent: bool = False
+    spec_state: Any = None  # the speculative proposer's per-request state (issue 30)
+    spec: SpecStats = field(default_factory=SpecStats)  # this request's drafts and accepted tokens
     tokens: list[int] = field(init=False)  # prompt + generated: what the model must have seen before the next sample
     seed: int = field(init=False)
     _generator: torch.Generator | None = field(init=False, default=None)

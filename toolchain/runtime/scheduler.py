@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from toolchain.runtime import speculative
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.request import Request, Status
 
@@ -24,8 +25,9 @@ POLICIES = ("guaranteed_no_evict", "max_utilization")
 @dataclass
 class Scheduled:
     request: Request
-    tokens: list[int]  # fed this step
+    tokens: list[int]  # fed this step (a decode's drafts are appended by the loop)
     context_len: int  # already in the cache
+    spec: int = 0  # draft slots reserved for a decode (blocks and budget): the proposer may fill up to this many
 
 
 class Scheduler:
@@ -35,11 +37,15 @@ class Scheduler:
         max_batch_size: int,
         max_num_tokens: int,
         policy: str = "max_utilization",
+        spec_tokens: int = 0,
+        max_seq_len: int | None = None,
     ):
+        """`spec_tokens`: draft slots to reserve per decode when speculating (issue 30), within `max_seq_len`."""
         if policy not in POLICIES:
             raise ValueError(f"policy {policy!r}; choose one of {', '.join(POLICIES)}")
         self.blocks, self.policy = blocks, policy
         self.max_batch_size, self.max_num_tokens = max_batch_size, max_num_tokens  # sequence length: check_request
+        self.spec_tokens, self.max_seq_len = spec_tokens, max_seq_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preempted = 0
@@ -60,11 +66,27 @@ class Scheduler:
         self.preempted += 1
         self.waiting.appendleft(victim)
 
+    def _draft_slots(self, request: Request, room: int) -> int:
+        """How many drafted tokens a decode may carry this step: at most `spec_tokens`, the `room` left in the token
+        budget after every decode's own token, what max_new_tokens and max_seq_len still allow, and the blocks it
+        holds or can take now — drafts never preempt anyone."""
+        if not speculative.may_speculate(request):
+            return 0
+        k = min(self.spec_tokens, room, request.params.max_new_tokens - len(request.generated) - 1)
+        if self.max_seq_len is not None:
+            k = min(k, self.max_seq_len - len(request.tokens))
+        if k <= 0:
+            return 0
+        if not self.blocks.allocate_for(request, request.num_computed + 1 + k):
+            k = min(k, len(request.blocks) * self.blocks.tokens_per_block - request.num_computed - 1)
+        return max(k, 0)
+
     def schedule(self) -> list[Scheduled]:
         out: list[Scheduled] = []
         budget = self.max_num_tokens
         # 1. decodes, oldest first
-        for request in sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival):
+        decodes = sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival)
+        for n, request in enumerate(decodes):
             if request.status is not Status.RUNNING or budget == 0:  # preempted by an earlier decode this step
                 continue
             while not self.blocks.allocate_for(request, request.num_computed + 1):
@@ -74,8 +96,9 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is Status.RUNNING:
-                out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed))
-                budget -= 1
+                spec = self._draft_slots(request, budget - 1 - (len(decodes) - n - 1)) if self.spec_tokens else 0
+                out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed, spec))
+                budget -= 1 + spec
         # 2. prefills in progress, then 3. admissions, while budget and batch room remain
         starved = False
         for request in [r for r in self.running if r.pending > 1]:
