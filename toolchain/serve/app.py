@@ -87,6 +87,7 @@ class ServeOptions:
     served_model_name: str | None = None
     log_requests: bool = False
     heartbeat_timeout: float = 60.0  # /health fails when a step has run longer than this
+    tool_call_parser: str | None = None  # --tool-call-parser; None: detected from the chat template (serve/tools.py)
 
 
 @dataclass
@@ -132,6 +133,7 @@ class ServerState:
         self._engine_closed = False
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
+        self.tool_parser, self.tool_parser_note = tools.choose_parser(options.tool_call_parser, tokenizer)
 
     def warm_up(self) -> None:
         """One real token through the engine before /ready says yes."""
@@ -466,10 +468,12 @@ async def _parse(state: ServerState, request: Request, model: type[_Body]) -> _B
         raise _reject(state, "bad_request", ApiError(400, message, param=where)) from e
 
 
-def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
+def _prompt_ids(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, tool_list: list[dict[str, Any]] | None = None
+) -> list[int]:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return _chat_ids(state, body.messages, True, False)
+        return _chat_ids(state, body.messages, True, False, tool_list)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         if tok is None:
@@ -479,17 +483,34 @@ def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequ
 
 
 def _chat_ids(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    tool_list: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The messages through the tokenizer's chat template (whose text carries the BOS where the model wants one)."""
+    """The messages (and `tool_list`, the request's tools) through the tokenizer's chat template (whose text
+    carries the BOS where the model wants one)."""
     tok = state.tokenizer
     if not messages:
         raise ApiError(400, "messages is empty", param="messages")
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    turns = tools.template_messages(messages)
     try:
         text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+        if tool_list:
+            bare = text
+            text = tok.apply_chat_template(
+                turns, tools=tool_list, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+            if text == bare:
+                raise ApiError(
+                    400,
+                    "tools: this engine's chat template ignores tools (it renders the same prompt with and without "
+                    "them); send tool_choice none, or serve a template that renders tools",
+                    param="tools",
+                )
     except (TemplateError, TypeError, ValueError) as e:  # e.g. "roles must alternate": the messages' fault
         raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
     return [int(t) for t in tok.encode(str(text), add_special_tokens=add_special_tokens)]
@@ -505,9 +526,8 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
     try:
         _check_model(state, body.model)
         body.refuse_unsupported()
-        if isinstance(body, ChatCompletionRequest):
-            tools.check_tools(body)
-        ids = _prompt_ids(state, body)
+        mode = tools.check_tools(body, state.tool_parser) if isinstance(body, ChatCompletionRequest) else None
+        ids = _prompt_ids(state, body, tools.template_tools(body, mode))
         params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
         grammar = structured.grammar_spec(body)
         if grammar is not None:
@@ -635,8 +655,16 @@ async def _respond(
         raise error
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
     out = completion_body(a.id, body.model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False)
+    mode = _tool_mode(state, body)
+    if mode is not None:
+        tools.apply(out["choices"][0], mode, "".join(a.text), a.finish_reason.openai)
     out["choices"][0]["logprobs"] = shapes.response_logprobs(state.tokenizer, body, a.logprobs, a.prompt_logprobs)
     return JSONResponse(out)
+
+
+def _tool_mode(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tools.ToolMode | None:
+    """How a chat answer is read for tool calls (checked at admission already), or None."""
+    return tools.check_tools(body, state.tool_parser) if isinstance(body, ChatCompletionRequest) else None
 
 
 def _finish_error(state: ServerState, final: TokenEvent) -> ApiError | None:
@@ -666,6 +694,8 @@ async def _sse(
 ) -> AsyncIterator[str]:
     model = body.model
     sent_chars = 0  # text streamed so far (completions' text_offset)
+    mode = _tool_mode(state, body)
+    calls = tools.ToolStream(mode) if mode is not None else None  # the answer read for tool calls
     try:
         if chat:
             first = completion_body(a.id, model, "", None, None, chat, chunk=True)
@@ -674,7 +704,13 @@ async def _sse(
         async for event in _events(state, a, request):
             lps = [event.logprob] if event.logprob is not None else []
             chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, None, sent_chars) if lps else None
-            if event.text or chunk_lps is not None:
+            if calls is not None:  # tool calls: content while it is content, then each call whole
+                deltas = calls.feed(event.text) + (calls.finish() if event.finished else [])
+                for delta in deltas:
+                    chunk = completion_body(a.id, model, "", None, None, chat, chunk=True)
+                    chunk["choices"][0]["delta"] = delta
+                    yield _sse_data(chunk)
+            elif event.text or chunk_lps is not None:
                 chunk = completion_body(a.id, model, event.text, None, None, chat, chunk=True)
                 chunk["choices"][0]["logprobs"] = chunk_lps
                 yield _sse_data(chunk)
@@ -685,7 +721,10 @@ async def _sse(
             if error is not None:  # headers are sent: the error travels as an event, as OpenAI's does
                 yield _sse_data(error.body())
             else:
-                yield _sse_data(completion_body(a.id, model, "", a.finish_reason.openai, None, chat, chunk=True))
+                finish = a.finish_reason.openai
+                if calls is not None and calls.called and finish == "stop":
+                    finish = "tool_calls"
+                yield _sse_data(completion_body(a.id, model, "", finish, None, chat, chunk=True))
             if include_usage:
                 tail = completion_body(
                     a.id, model, "", None, usage(len(a.prompt_ids), event.generated_tokens), chat, chunk=True

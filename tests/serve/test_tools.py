@@ -1,0 +1,239 @@
+"""Tool calling (serve/tools.py): the parsers on recorded model texts (Hermes/Qwen3, Llama 3.x JSON), the same
+calls whether streamed in pieces or read whole, the parser chosen from the template, and the official OpenAI
+client end to end against the tiny engine with a Hermes-style template: tool_choice required and named give a
+`get_weather` call whose arguments validate against its schema, streamed or not, and the tool's answer sent back
+gets a completion."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from tests.serve.helpers import MODEL, Running, error_of, post, running
+from toolchain.checkpoint.tiny import CHAT_TEMPLATE
+from toolchain.engine.build import BuildOptions, build_engine
+from toolchain.serve import tools
+from toolchain.serve.protocol import ChatCompletionRequest
+
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
+GET_WEATHER: Any = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+# Qwen3's tool format (its tokenizer_config.json chat_template) cut to what the tests need: the tools in a system
+# turn, assistant calls as <tool_call> blocks with their arguments as JSON, tool answers in their own turn
+HERMES_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t.function | tojson }}{% endfor %}</tools>"
+    "<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant\n"
+    '{% for c in m.tool_calls %}<tool_call>{"name": {{ c.function.name | tojson }}, "arguments": '
+    "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+# -- parsers on recorded texts ----------------------------------------------------------------------------------
+QWEN3 = (
+    "I'll check both.\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>\n<tool_call>\n'
+    '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}\n</tool_call>'
+)
+LLAMA3_TAGGED = (
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
+    '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}'
+)
+LLAMA3_PLAIN = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
+CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})]
+
+
+def _calls(calls: list[tools.ToolCall]) -> list[tuple[str, Any]]:
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_hermes_parser_reads_qwen3_calls_and_the_text_before() -> None:
+    content, calls = tools.parse_hermes(QWEN3)
+    assert content == "I'll check both.\n" and _calls(calls) == CALLS
+    assert tools.parse_hermes("no call here") == ("no call here", [])
+    broken = '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>'
+    assert tools.parse_hermes(broken) == (broken, [])  # unreadable: the text stays content
+    content, calls = tools.parse_hermes('<tool_call>\n{"name": "f", "arguments": {}}')  # cut before its end tag
+    assert content is None and _calls(calls) == [("f", {})]
+
+
+def test_llama3_json_parser_with_and_without_the_python_tag() -> None:
+    assert tools.parse_llama3_json(LLAMA3_TAGGED)[0] is None
+    assert _calls(tools.parse_llama3_json(LLAMA3_TAGGED)[1]) == CALLS
+    assert _calls(tools.parse_llama3_json(LLAMA3_PLAIN)[1]) == CALLS[:1]
+    assert tools.parse_llama3_json("The weather is fine.") == ("The weather is fine.", [])
+    assert tools.parse_llama3_json('{"city": "Paris"}') == ('{"city": "Paris"}', [])  # JSON, but no call
+
+
+@pytest.mark.parametrize(("parser", "text"), [("hermes", QWEN3), ("llama3_json", LLAMA3_TAGGED)])
+def test_streamed_pieces_give_the_whole_answers_calls(parser: str, text: str) -> None:
+    mode = tools.ToolMode("auto", parser, ("get_weather", "get_time"), True)
+    stream = tools.ToolStream(mode)
+    deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])] + stream.finish()
+    content = "".join(d.get("content", "") for d in deltas)
+    streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    whole_content, whole = tools.parse(mode, text)
+    assert content == (whole_content or "") and stream.called
+    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == [
+        (i, name, args) for i, (name, args) in enumerate(_calls(whole))
+    ]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in streamed)
+
+
+def test_plain_text_streams_as_content_with_markers_held_back() -> None:
+    stream = tools.ToolStream(tools.ToolMode("auto", "hermes", ("f",), True))
+    assert stream.feed("Hello <tool") == [{"content": "Hello "}]  # "<tool" may begin a call: held
+    assert stream.feed("s are fine") == [{"content": "<tools are fine"}]
+    assert stream.finish() == [] and not stream.called
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    mode = tools.ToolMode("auto", "hermes", ("get_weather", "get_time"), parallel=False)
+    assert _calls(tools.parse(mode, QWEN3)[1]) == CALLS[:1]
+
+
+def test_the_parser_comes_from_the_flag_or_the_template() -> None:
+    class Tok:
+        def __init__(self, template: str) -> None:
+            self.chat_template = template
+
+    assert tools.choose_parser(None, Tok(HERMES_TEMPLATE))[0] == "hermes"
+    assert tools.choose_parser(None, Tok("{{ '<|python_tag|>' }}"))[0] == "llama3_json"
+    assert tools.choose_parser(None, Tok(CHAT_TEMPLATE))[0] is None
+    assert tools.choose_parser("llama3_json", Tok(HERMES_TEMPLATE))[0] == "llama3_json"  # the flag wins
+    with pytest.raises(ValueError, match=r"gpt_oss.*not parsed yet"):
+        tools.choose_parser("gpt_oss", None)
+    with pytest.raises(ValueError, match="not one of hermes, llama3_json"):
+        tools.choose_parser("mistral", None)
+
+
+def test_required_is_vllms_array_schema() -> None:
+    body = ChatCompletionRequest(model=MODEL, messages=[], tools=[GET_WEATHER], tool_choice="required")
+    spec = tools.tool_grammar(body)
+    assert spec is not None and json.loads(spec.text) == {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "type": "object",
+            "anyOf": [
+                {
+                    "properties": {"name": {"type": "string", "enum": ["get_weather"]}, "parameters": WEATHER},
+                    "required": ["name", "parameters"],
+                }
+            ],
+        },
+    }
+
+
+# -- end to end with the OpenAI client --------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tool_server(checkpoint: Path) -> Iterator[Running]:
+    """The tiny engine with room for a tools prompt (max_seq_len 512: one byte a token), served with a
+    Hermes-style template put on its tokenizer here (the parser detected from it, as at start-up)."""
+    opts = BuildOptions(backend="onnxruntime", max_seq_len=512, max_batch_size=4, max_num_tokens=512)
+    build_engine(checkpoint, checkpoint.parent / "engine-tools", opts)
+    with running(checkpoint.parent / "engine-tools") as r:
+        r.state.tokenizer.chat_template = HERMES_TEMPLATE
+        r.state.tool_parser, _ = tools.choose_parser(None, r.state.tokenizer)
+        yield r
+
+
+MESSAGES: list[Any] = [{"role": "user", "content": "Weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_client_gets_a_valid_call_whole_and_streamed(tool_server: Running, choice: str) -> None:
+    client = tool_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": [GET_WEATHER],
+        "tool_choice": "required" if choice == "required" else NAMED,
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": 7,
+        "max_tokens": 160,  # the prompt is ~300 tokens of 512
+    }
+    answer = client.chat.completions.create(**args)
+    assert answer.choices[0].finish_reason == "tool_calls"
+    calls = answer.choices[0].message.tool_calls or []
+    assert len(calls) == 1 and calls[0].type == "function" and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+
+    assembled: dict[int, dict[str, str]] = {}
+    finish = None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        for call in delta.tool_calls or []:
+            entry = assembled.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += (call.function.name if call.function else None) or ""
+            entry["arguments"] += (call.function.arguments if call.function else None) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert assembled == {0: {"name": "get_weather", "arguments": calls[0].function.arguments}}
+
+
+def test_the_tool_answer_goes_back_and_gets_a_completion(tool_server: Running) -> None:
+    client = tool_server.client()
+    call: Any = {
+        "id": "call_1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    answer = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            *MESSAGES,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
+        ],
+        tools=[GET_WEATHER],
+        max_tokens=4,
+    )
+    assert answer.choices[0].finish_reason == "length" and answer.choices[0].message.content
+    prompt = post(
+        tool_server.url,
+        {"model": MODEL, "messages": [*MESSAGES, {"role": "assistant", "tool_calls": [call]}]},
+        path="/tokenize",
+    ).json()["tokens"]
+    text = tool_server.state.tokenizer.decode(prompt)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in text
+
+
+def test_tool_requests_refused_by_name(tool_server: Running) -> None:
+    base = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4}
+    path = "/v1/chat/completions"
+    missing = {**base, "tools": [GET_WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    assert "'nope'" in error_of(post(tool_server.url, missing, path=path), 400)["message"]
+    bare = {**base, "tool_choice": "required"}
+    assert error_of(post(tool_server.url, bare, path=path), 400)["param"] == "tool_choice"
+    both = {**base, "tools": [GET_WEATHER], "tool_choice": "required", "guided_regex": "a"}
+    assert "tool_choice" in error_of(post(tool_server.url, both, path=path), 400)["message"]
+    state = tool_server.state
+    state.tokenizer.chat_template = CHAT_TEMPLATE  # a template that never mentions tools
+    try:
+        ignored = error_of(post(tool_server.url, {**base, "tools": [GET_WEATHER]}, path=path), 400)
+        assert ignored["param"] == "tools" and "ignores tools" in ignored["message"]
+        state.tool_parser = None
+        auto = error_of(post(tool_server.url, {**base, "tools": [GET_WEATHER]}, path=path), 400)
+        assert auto["param"] == "tool_choice" and "--tool-call-parser" in auto["message"]
+        plain = post(tool_server.url, {**base, "tools": [GET_WEATHER], "tool_choice": "none"}, path=path)
+        assert plain.status_code == 200, plain.text
+    finally:
+        state.tokenizer.chat_template = HERMES_TEMPLATE
+        state.tool_parser = "hermes"
