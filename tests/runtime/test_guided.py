@@ -9,6 +9,7 @@ import re
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -166,3 +167,31 @@ def test_masks_are_computed_while_the_engine_runs(tokenizer: Any, monkeypatch: p
     calls = engine.calls[-len(fills) :]
     assert all(when < returned for (when, _), (_, returned) in zip(fills, calls, strict=True))
     rt.guide.close()
+
+
+def test_a_sentencepiece_tokenizer_drives_a_grammar(stories: Path) -> None:
+    """stories260K (SentencePiece, byte fallback): its pieces ("▁the") and byte tokens (<0x7B>) both reach the
+    matcher; a regex answer made of pieces and single bytes is accepted and the grammar then allows only EOS."""
+    from transformers import AutoTokenizer
+
+    sp = AutoTokenizer.from_pretrained(stories)
+    guide = Guide(sp, len(sp))
+    request = Request(
+        [1], SamplingParams(20, 1.0, stop_token_ids=(sp.eos_token_id,), grammar=GrammarSpec("regex", "[0-9]{2} cats"))
+    )
+    assert guide.add(request) is None
+    scores = torch.zeros(len(sp), dtype=torch.float64)
+    guide.mask(request, scores)
+    allowed = {sp.convert_ids_to_tokens(i) for i in torch.nonzero(scores == 0).flatten().tolist()}
+    assert "<0x34>" in allowed and "▁the" not in allowed  # the digit 4 as a byte token; no word may start it
+    tokens = sp.encode("42 cats", add_special_tokens=False)
+    assert sp.convert_ids_to_tokens(tokens[0]) == "▁"  # SentencePiece's dummy prefix: not part of a continuation
+    for token in tokens[1:]:  # "4" "2" "▁c" "at" "s"
+        scores = torch.zeros(len(sp), dtype=torch.float64)
+        guide.mask(request, scores)
+        assert scores[token] == 0, sp.convert_ids_to_tokens(token)
+        assert guide.accept(request, token) is None
+    scores = torch.zeros(len(sp), dtype=torch.float64)
+    guide.mask(request, scores)
+    assert torch.nonzero(scores == 0).flatten().tolist() == [sp.eos_token_id]
+    guide.close()
