@@ -120,6 +120,10 @@ def test_mask_allows_what_the_grammar_allows(tokenizer: Any) -> None:
     scores = torch.zeros(VOCAB, dtype=torch.float64)
     guide.mask(request, scores)  # complete: only EOS
     assert torch.nonzero(scores == 0).flatten().tolist() == [EOS]
+    guide.rollback(request, 1)  # back to "b": "c" is the only way on (issue 30's rejected drafts)
+    scores = torch.zeros(VOCAB, dtype=torch.float64)
+    guide.mask(request, scores)
+    assert torch.nonzero(scores == 0).flatten().tolist() == [tokenizer.convert_tokens_to_ids("c")]
     guide.close()
 
 

@@ -174,18 +174,24 @@ def test_client_gets_a_valid_call_whole_and_streamed(tool_server: Running, choic
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
 
     assembled: dict[int, dict[str, str]] = {}
-    finish = None
+    finish, pieces = None, 0
     for chunk in client.chat.completions.create(**args, stream=True):
         if not chunk.choices:
             continue
         delta = chunk.choices[0].delta
+        assert not delta.content  # a call, not text
         for call in delta.tool_calls or []:
+            pieces += 1
+            if call.function and call.function.name:  # the first delta of a call names it
+                assert call.id and call.id.startswith("call_") and call.type == "function"
             entry = assembled.setdefault(call.index, {"name": "", "arguments": ""})
             entry["name"] += (call.function.name if call.function else None) or ""
             entry["arguments"] += (call.function.arguments if call.function else None) or ""
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert assembled == {0: {"name": "get_weather", "arguments": calls[0].function.arguments}}
+    # a named function's arguments stream token by token; required's array is read whole, then sent as one delta
+    assert pieces == 1 if choice == "required" else pieces > len(calls[0].function.arguments) // 2
 
 
 def test_the_tool_answer_goes_back_and_gets_a_completion(tool_server: Running) -> None:

@@ -184,6 +184,13 @@ class Guide:
             return str(matcher.get_error() or f"token {token} does not continue the grammar")
         return None
 
+    def rollback(self, request: Request, tokens: int) -> None:
+        """Undo the last `tokens` accepted tokens (issue 30: drafted tokens the target model rejected)."""
+        matcher = request.guide_state
+        if matcher is not None and not matcher.rollback(tokens):
+            raise ValueError(f"cannot roll the grammar back {tokens} tokens: {matcher.get_error()}")
+        self._rows.pop(request.id, None)
+
     def close(self) -> None:
         self.wait()
         if self._worker is not None:

@@ -17,9 +17,10 @@ What each piece follows:
   objects separated by `;`. (vLLM's non-streaming path also finds such objects after other text; we take its
   streaming rule, the same for both, so a streamed answer and a whole one always agree.)
 - gpt-oss (harmony) is refused by name: its tool calls live in special tokens that the text we decode drops.
-- Streaming: OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`; each call is sent as one
-  delta with its name and its whole arguments once the call is complete (no argument fragments). Text before a
-  call streams as content as it comes; text that might begin a call marker is held back until it is decided.
+- Streaming: OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`. A named function's
+  arguments stream as they are generated (the first delta carries id, type and name); otherwise each call is sent
+  as one delta with its name and its whole arguments once the answer is complete (no argument fragments). Text
+  before a call streams as content as it comes; text that might begin a call marker is held back until decided.
 - `parallel_tool_calls: false`: at most the first call is returned.
 """
 
@@ -310,6 +311,7 @@ class ToolStream:
         self.mode, self.text, self.sent = mode, "", 0  # sent: characters of `text` streamed as content
         self.holding = mode.choice != "auto"  # required/named: everything is a call
         self.called = False
+        self.call: ToolCall | None = None  # the named function's call, once its first delta is out
 
     def _marker_at(self) -> int | None:
         """Where a call begins in the text not yet sent, or None; and how much is safe to send meanwhile."""
@@ -335,6 +337,15 @@ class ToolStream:
 
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
+        if self.mode.named:  # the answer is the named function's arguments: stream them as they come
+            first = not self.called
+            self.called, self.sent = True, len(self.text)
+            if first:
+                self.call = ToolCall(self.mode.choice, "")
+                return [
+                    {"tool_calls": [{**self.call.delta(0), "function": {"name": self.mode.choice, "arguments": delta}}]}
+                ]
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}] if delta else []
         if self.holding:
             return []
         marker = self._marker_at()
@@ -350,6 +361,8 @@ class ToolStream:
 
     def finish(self) -> list[dict[str, Any]]:
         """The deltas that end the answer: held-back content, or the tool calls."""
+        if self.mode.named:
+            return []
         rest = self.text[self.sent :]
         if self.mode.choice == "auto":
             _, calls = parse(self.mode, self.text)
