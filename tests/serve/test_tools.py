@@ -51,6 +51,21 @@ LLAMA3_TAGGED = (
     '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}; '
     '{"name": "get_time", "parameters": {"tz": "Europe/Paris"}}'
 )
+# gpt-oss answers (harmony), decoded with their special tokens: reasoning then a call (recipient after the channel,
+# then before it), and reasoning then a final answer
+GPT_OSS_CALL = (
+    "<|channel|>analysis<|message|>The user wants the weather. Call get_weather.<|end|>"
+    '<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", '
+    '"unit": "c"}<|call|>'
+)
+GPT_OSS_CALL_BEFORE = (
+    '<|start|>assistant to=functions.get_time<|channel|>commentary<|constrain|>json<|message|>{"tz": "Europe/Paris"}'
+    "<|call|>"
+)
+GPT_OSS_FINAL = (
+    "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>It is 18 C in Paris."
+    "<|return|>"
+)
 LLAMA3_PLAIN = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}'
 CALLS = [("get_weather", {"city": "Paris", "unit": "c"}), ("get_time", {"tz": "Europe/Paris"})]
 
@@ -75,6 +90,30 @@ def test_llama3_json_parser_with_and_without_the_python_tag() -> None:
     assert _calls(tools.parse_llama3_json(LLAMA3_PLAIN)[1]) == CALLS[:1]
     assert tools.parse_llama3_json("The weather is fine.") == ("The weather is fine.", [])
     assert tools.parse_llama3_json('{"city": "Paris"}') == ('{"city": "Paris"}', [])  # JSON, but no call
+
+
+def test_gpt_oss_parser_reads_harmony_calls_and_the_final_channel() -> None:
+    assert tools.parse_gpt_oss(GPT_OSS_CALL)[0] is None
+    assert _calls(tools.parse_gpt_oss(GPT_OSS_CALL)[1]) == CALLS[:1]
+    assert _calls(tools.parse_gpt_oss(GPT_OSS_CALL_BEFORE)[1]) == CALLS[1:]
+    assert tools.parse_gpt_oss(GPT_OSS_FINAL) == ("It is 18 C in Paris.", [])  # the analysis is not content
+    assert tools.parse_gpt_oss("plain words") == ("plain words", [])
+
+
+def test_gpt_oss_streams_read_the_answer_with_its_special_tokens() -> None:
+    stream = tools.ToolStream(tools.ToolMode("auto", "gpt_oss", ("get_weather",), True))
+    assert stream.needs_special_tokens
+    visible = (
+        "analysisThe user wants the weather.assistantcommentary to=functions.get_weather json{}"  # specials dropped
+    )
+    assert stream.feed(visible) == []  # held: the channels are only known from the special tokens
+    deltas = stream.finish(GPT_OSS_CALL)
+    assert [
+        (d["tool_calls"][0]["function"]["name"], json.loads(d["tool_calls"][0]["function"]["arguments"]))
+        for d in deltas
+    ] == CALLS[:1]
+    final = tools.ToolStream(tools.ToolMode("auto", "gpt_oss", ("get_weather",), True))
+    assert final.finish(GPT_OSS_FINAL) == [{"content": "It is 18 C in Paris."}] and not final.called
 
 
 @pytest.mark.parametrize(("parser", "text"), [("hermes", QWEN3), ("llama3_json", LLAMA3_TAGGED)])
@@ -113,9 +152,8 @@ def test_the_parser_comes_from_the_flag_or_the_template() -> None:
     assert tools.choose_parser(None, Tok("{{ '<|python_tag|>' }}"))[0] == "llama3_json"
     assert tools.choose_parser(None, Tok(CHAT_TEMPLATE))[0] is None
     assert tools.choose_parser("llama3_json", Tok(HERMES_TEMPLATE))[0] == "llama3_json"  # the flag wins
-    with pytest.raises(ValueError, match=r"gpt_oss.*not parsed yet"):
-        tools.choose_parser("gpt_oss", None)
-    with pytest.raises(ValueError, match="not one of hermes, llama3_json"):
+    assert tools.choose_parser(None, Tok("{{ '<|start|>assistant<|channel|>final<|message|>' }}"))[0] == "gpt_oss"
+    with pytest.raises(ValueError, match="not one of hermes, llama3_json, gpt_oss"):
         tools.choose_parser("mistral", None)
 
 
@@ -243,3 +281,13 @@ def test_tool_requests_refused_by_name(tool_server: Running) -> None:
     finally:
         state.tokenizer.chat_template = HERMES_TEMPLATE
         state.tool_parser = "hermes"
+
+
+def test_gpt_oss_answers_also_end_at_its_call_token() -> None:
+    from toolchain.checkpoint.tiny import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    assert tools.stop_tokens("gpt_oss", tok) == ()  # no such token: nothing added
+    tok.add_special_tokens({"additional_special_tokens": ["<|call|>"]})
+    assert tools.stop_tokens("gpt_oss", tok) == (tok.convert_tokens_to_ids("<|call|>"),)
+    assert tools.stop_tokens("hermes", tok) == ()

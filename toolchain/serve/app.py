@@ -134,6 +134,7 @@ class ServerState:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
         self.tool_parser, self.tool_parser_note = tools.choose_parser(options.tool_call_parser, tokenizer)
+        self.stop_ids += tools.stop_tokens(self.tool_parser, tokenizer)
 
     def warm_up(self) -> None:
         """One real token through the engine before /ready says yes."""
@@ -657,9 +658,16 @@ async def _respond(
     out = completion_body(a.id, body.model, "".join(a.text), a.finish_reason.openai, use, chat, chunk=False)
     mode = _tool_mode(state, body)
     if mode is not None:
-        tools.apply(out["choices"][0], mode, "".join(a.text), a.finish_reason.openai)
+        tools.apply(out["choices"][0], mode, _answer_text(state, a, mode), a.finish_reason.openai)
     out["choices"][0]["logprobs"] = shapes.response_logprobs(state.tokenizer, body, a.logprobs, a.prompt_logprobs)
     return JSONResponse(out)
+
+
+def _answer_text(state: ServerState, a: _Admitted, mode: tools.ToolMode) -> str:
+    """The answer as the tool-call parser reads it: gpt-oss's with its special tokens (harmony's markers)."""
+    if tools.ToolStream(mode).needs_special_tokens and a.stream.request is not None:
+        return str(state.tokenizer.decode(a.stream.request.generated, skip_special_tokens=False))
+    return "".join(a.text)
 
 
 def _tool_mode(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tools.ToolMode | None:
@@ -705,7 +713,9 @@ async def _sse(
             lps = [event.logprob] if event.logprob is not None else []
             chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, None, sent_chars) if lps else None
             if calls is not None:  # tool calls: content while it is content, then each call whole
-                deltas = calls.feed(event.text) + (calls.finish() if event.finished else [])
+                deltas = calls.feed(event.text)
+                if event.finished:
+                    deltas += calls.finish(_answer_text(state, a, calls.mode) if calls.needs_special_tokens else None)
                 for delta in deltas:
                     chunk = completion_body(a.id, model, "", None, None, chat, chunk=True)
                     chunk["choices"][0]["delta"] = delta

@@ -16,7 +16,10 @@ What each piece follows:
   answer that starts with `<|python_tag|>` or `{` is one or more `{"name": ..., "parameters"|"arguments": {...}}`
   objects separated by `;`. (vLLM's non-streaming path also finds such objects after other text; we take its
   streaming rule, the same for both, so a streamed answer and a whole one always agree.)
-- gpt-oss (harmony) is refused by name: its tool calls live in special tokens that the text we decode drops.
+- `gpt_oss` (harmony; the openai-harmony library vLLM uses cannot load offline, so the text is read here): the
+  answer decoded with its special tokens kept is split into messages; one addressed `to=functions.NAME` is a call
+  with its body as arguments, the `final` channel is the content (the `analysis` reasoning is not shown). Its
+  answer is read at its end (streamed: content and calls arrive then).
 - Streaming: OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`. A named function's
   arguments stream as they are generated (the first delta carries id, type and name); otherwise each call is sent
   as one delta with its name and its whole arguments once the answer is complete (no argument fragments). Text
@@ -35,18 +38,18 @@ from typing import Any
 from toolchain.runtime.request import GrammarSpec
 from toolchain.serve.protocol import ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest
 
-PARSERS = ("hermes", "llama3_json")
-REFUSED_PARSERS = {"gpt_oss": "gpt-oss harmony tool calls are not parsed yet (their markers are special tokens)"}
+PARSERS = ("hermes", "llama3_json", "gpt_oss")
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
+# harmony's markers (gpt-oss): special tokens, so its answers are read from the ids decoded with them kept
+HARMONY_START, HARMONY_CHANNEL, HARMONY_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
+HARMONY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 
 
 def choose_parser(flag: str | None, tokenizer: Any) -> tuple[str | None, str]:
     """The tool-call parser (`serve --tool-call-parser` wins, else detected from the chat template's text) and a
     line saying how it was chosen, for the start-up log. ValueError for a parser this server does not have."""
     if flag:
-        if flag in REFUSED_PARSERS:
-            raise ValueError(f"--tool-call-parser {flag}: {REFUSED_PARSERS[flag]}; one of {', '.join(PARSERS)}")
         if flag not in PARSERS:
             raise ValueError(f"--tool-call-parser {flag}: not one of {', '.join(PARSERS)}")
         return flag, f"tool-call parser {flag} (--tool-call-parser)"
@@ -55,9 +58,19 @@ def choose_parser(flag: str | None, tokenizer: Any) -> tuple[str | None, str]:
         return "hermes", "tool-call parser hermes (the chat template writes <tool_call>)"
     if PYTHON_TAG in template:
         return "llama3_json", "tool-call parser llama3_json (the chat template writes <|python_tag|>)"
-    if "<|channel|>" in template:
-        return None, f"no tool-call parser: {REFUSED_PARSERS['gpt_oss']}"
+    if HARMONY_CHANNEL in template:
+        return "gpt_oss", "tool-call parser gpt_oss (the chat template writes harmony's <|channel|>)"
     return None, "no tool-call parser (the chat template shows no tool-call format; --tool-call-parser sets one)"
+
+
+def stop_tokens(parser: str | None, tokenizer: Any) -> tuple[int, ...]:
+    """Token ids that end an answer for this parser beside EOS: gpt-oss ends a tool call with `<|call|>` (its
+    generation_config.json lists it among the EOS ids; the tokenizer's eos_token is `<|return|>`)."""
+    if parser != "gpt_oss" or tokenizer is None:
+        return ()
+    ids = tokenizer.convert_tokens_to_ids(["<|call|>"])
+    unk = getattr(tokenizer, "unk_token_id", None)
+    return tuple(int(i) for i in ids if isinstance(i, int) and i != unk)
 
 
 @dataclass(frozen=True)
@@ -272,6 +285,32 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
     return None, calls
 
 
+def parse_gpt_oss(text: str) -> tuple[str | None, list[ToolCall]]:
+    """gpt-oss (harmony; text decoded with its special tokens): messages `[<|start|>assistant]<|channel|>C
+    [to=functions.NAME] [<|constrain|>json]<|message|>BODY<|end|>|<|call|>|<|return|>` (the recipient may also
+    stand before `<|channel|>`). A message to `functions.NAME` is a call whose arguments are its body; the content
+    is the `final` channel's text (the `analysis` channel is the model's reasoning: not shown). Text without
+    harmony markers is all content."""
+    if HARMONY_MESSAGE not in text:
+        return text, []
+    calls: list[ToolCall] = []
+    final: list[str] = []
+    for message in text.split(HARMONY_START):
+        header, sep, body = message.partition(HARMONY_MESSAGE)
+        if not sep:
+            continue
+        for end in HARMONY_ENDS:
+            body = body.split(end, 1)[0]
+        words = header.replace(HARMONY_CHANNEL, " <|channel|>").replace("<|constrain|>", " <|constrain|>").split()
+        recipient = next((w[len("to=") :] for w in words if w.startswith("to=")), None)
+        channel = next((w[len(HARMONY_CHANNEL) :] for w in words if w.startswith(HARMONY_CHANNEL)), "")
+        if recipient is not None and recipient.startswith("functions."):
+            calls.append(ToolCall(recipient[len("functions.") :], body.strip()))
+        elif channel == "final":
+            final.append(body)
+    return ("".join(final) or None), calls
+
+
 def parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
     """The message content and the tool calls in a whole answer."""
     if mode.named:
@@ -288,6 +327,8 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
         content = None
     elif mode.parser == "hermes":
         content, calls = parse_hermes(text)
+    elif mode.parser == "gpt_oss":
+        content, calls = parse_gpt_oss(text)
     else:
         content, calls = parse_llama3_json(text)
     return content, calls if mode.parallel else calls[:1]
@@ -296,6 +337,8 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
 def apply(choice: dict[str, Any], mode: ToolMode, text: str, finish_reason: str) -> None:
     """A whole chat answer's choice with its `tool_calls` (finish_reason `tool_calls` when there are some)."""
     content, calls = parse(mode, text)
+    if mode.parser == "gpt_oss" and mode.choice == "auto":
+        choice["message"]["content"] = content  # the final channel's text, without the markers and the reasoning
     if calls:
         choice["message"]["content"] = content
         choice["message"]["tool_calls"] = [c.message() for c in calls]
@@ -309,7 +352,8 @@ class ToolStream:
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode, self.text, self.sent = mode, "", 0  # sent: characters of `text` streamed as content
-        self.holding = mode.choice != "auto"  # required/named: everything is a call
+        # required/named: everything is a call; gpt-oss: channels decided by special tokens, read at the end
+        self.holding = mode.choice != "auto" or self.needs_special_tokens
         self.called = False
         self.call: ToolCall | None = None  # the named function's call, once its first delta is out
 
@@ -335,6 +379,11 @@ class ToolStream:
             return self.sent
         return len(self.text)
 
+    @property
+    def needs_special_tokens(self) -> bool:
+        """Whether `finish` reads the answer decoded with its special tokens (harmony's markers are ones)."""
+        return self.mode.parser == "gpt_oss" and self.mode.choice == "auto"
+
     def feed(self, delta: str) -> list[dict[str, Any]]:
         self.text += delta
         if self.mode.named:  # the answer is the named function's arguments: stream them as they come
@@ -359,10 +408,17 @@ class ToolStream:
         out, self.sent = self.text[self.sent : end], end
         return [{"content": out}]
 
-    def finish(self) -> list[dict[str, Any]]:
-        """The deltas that end the answer: held-back content, or the tool calls."""
+    def finish(self, raw: str | None = None) -> list[dict[str, Any]]:
+        """The deltas that end the answer: held-back content, or the tool calls. `raw`: the whole answer decoded
+        with its special tokens, for gpt-oss."""
         if self.mode.named:
             return []
+        if self.needs_special_tokens:
+            content, calls = parse(self.mode, raw if raw is not None else self.text)
+            self.called = bool(calls)
+            return ([{"content": content}] if content else []) + [
+                {"tool_calls": [call.delta(i)]} for i, call in enumerate(calls)
+            ]
         rest = self.text[self.sent :]
         if self.mode.choice == "auto":
             _, calls = parse(self.mode, self.text)
