@@ -531,6 +531,8 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         ids = _prompt_ids(state, body, tools.template_tools(body, mode))
         params = sampling_params(body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer)
         grammar = structured.grammar_spec(body)
+        if grammar is not None and state.tokenizer is None:
+            raise ApiError(400, f"{grammar.kind}: structured output needs the engine's tokenizer (it has none)")
         if grammar is not None:
             params = dataclasses.replace(params, grammar=grammar)
         problem = state.llm.runtime.check_request(ids, params)  # vocabulary, pool size: immutable facts
