@@ -37,7 +37,8 @@ HERMES_TEMPLATE = (
     '{% for c in m.tool_calls %}<tool_call>{"name": {{ c.function.name | tojson }}, "arguments": '
     "{{ c.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
     "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
 )
 
 
@@ -291,3 +292,51 @@ def test_gpt_oss_answers_also_end_at_its_call_token() -> None:
     tok.add_special_tokens({"additional_special_tokens": ["<|call|>"]})
     assert tools.stop_tokens("gpt_oss", tok) == (tok.convert_tokens_to_ids("<|call|>"),)
     assert tools.stop_tokens("hermes", tok) == ()
+
+
+def test_chat_template_kwargs_reach_the_template(tool_server: Running) -> None:
+    """vLLM's chat_template_kwargs: Qwen3's enable_thinking=false adds an empty think block to the prompt."""
+    base = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1}
+    path = "/v1/chat/completions"
+    plain = post(tool_server.url, base, path=path).json()["usage"]["prompt_tokens"]
+    off = {**base, "chat_template_kwargs": {"enable_thinking": False}}
+    assert post(tool_server.url, off, path=path).json()["usage"]["prompt_tokens"] == plain + len(
+        "<think>\n\n</think>\n\n"
+    )
+    clash = {**base, "chat_template_kwargs": {"tools": []}}
+    assert error_of(post(tool_server.url, clash, path=path), 400)["param"] == "chat_template_kwargs"
+
+
+def test_auto_reads_a_hermes_call_from_free_text(tool_server: Running) -> None:
+    """tool_choice auto: the answer is free text read by the hermes parser. A regex constraint (the noise model
+    never writes a call by itself) makes it write text, then a <tool_call> block: the whole answer and the stream
+    give the same content and call."""
+    regex = (
+        r'Sure\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "unit": "[cf]"\}\}</tool_call>'
+    )
+    client = tool_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": [GET_WEATHER],
+        "max_tokens": 120,
+        "seed": 5,
+        "extra_body": {"guided_regex": regex},
+    }
+    answer = client.chat.completions.create(**args)
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "tool_calls" and message.content == "Sure."
+    calls = message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"]
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    content, finish = "", None
+    streamed: list[Any] = []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if chunk.choices:
+            content += chunk.choices[0].delta.content or ""
+            streamed += chunk.choices[0].delta.tool_calls or []
+            finish = chunk.choices[0].finish_reason or finish
+    assert content == "Sure." and finish == "tool_calls"
+    assert [(c.index, c.function.name, c.function.arguments) for c in streamed if c.function] == [
+        (0, "get_weather", calls[0].function.arguments)
+    ]

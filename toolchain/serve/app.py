@@ -74,6 +74,23 @@ from toolchain.serve.protocol import (
 log = logging.getLogger("trtbuild.serve")
 _Body = TypeVar("_Body", bound=BaseModel)
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
 @dataclass(frozen=True)
@@ -474,7 +491,7 @@ def _prompt_ids(
 ) -> list[int]:
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return _chat_ids(state, body.messages, True, False, tool_list)
+        return _chat_ids(state, body.messages, True, False, tool_list, body.chat_template_kwargs)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         if tok is None:
@@ -489,21 +506,31 @@ def _chat_ids(
     add_generation_prompt: bool,
     add_special_tokens: bool,
     tool_list: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The messages (and `tool_list`, the request's tools) through the tokenizer's chat template (whose text
-    carries the BOS where the model wants one)."""
+    """The messages (and `tool_list`, the request's tools; `template_kwargs`, vLLM's chat_template_kwargs such as
+    Qwen3's enable_thinking) through the tokenizer's chat template (whose text carries the BOS where the model
+    wants one)."""
     tok = state.tokenizer
     if not messages:
         raise ApiError(400, "messages is empty", param="messages")
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
     turns = tools.template_messages(messages)
+    extra = dict(template_kwargs or {})
+    reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: {reserved[0]!r} is set by the server (use the request's own field)",
+            param="chat_template_kwargs",
+        )
     try:
-        text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
         if tool_list:
             bare = text
             text = tok.apply_chat_template(
-                turns, tools=tool_list, add_generation_prompt=add_generation_prompt, tokenize=False
+                turns, tools=tool_list, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
             if text == bare:
                 raise ApiError(
