@@ -123,13 +123,24 @@ def test_streamed_pieces_give_the_whole_answers_calls(parser: str, text: str) ->
     stream = tools.ToolStream(mode)
     deltas = [d for i in range(0, len(text), 3) for d in stream.feed(text[i : i + 3])] + stream.finish()
     content = "".join(d.get("content", "") for d in deltas)
-    streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    pieces = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     whole_content, whole = tools.parse(mode, text)
     assert content == (whole_content or "") and stream.called
-    assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed] == [
-        (i, name, args) for i, (name, args) in enumerate(_calls(whole))
-    ]
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in streamed)
+    assert _assembled(pieces) == {i: (c.name, c.arguments) for i, c in enumerate(whole)}
+    firsts = [p for p in pieces if "id" in p]  # each call's first delta: id, type and name, once
+    assert [p["index"] for p in firsts] == list(range(len(whole)))
+    assert all(p["type"] == "function" and p["id"].startswith("call_") and p["function"]["name"] for p in firsts)
+    assert len(pieces) > 2 * len(whole)  # the arguments came in fragments
+
+
+def _assembled(pieces: list[dict[str, Any]]) -> dict[int, tuple[str, str]]:
+    """Streamed tool-call deltas put together as a client does: name from the first, arguments concatenated."""
+    calls: dict[int, tuple[str, str]] = {}
+    for p in pieces:
+        name, arguments = calls.get(p["index"], ("", ""))
+        function = p.get("function", {})
+        calls[p["index"]] = (name + (function.get("name") or ""), arguments + (function.get("arguments") or ""))
+    return calls
 
 
 def test_plain_text_streams_as_content_with_markers_held_back() -> None:
@@ -229,8 +240,7 @@ def test_client_gets_a_valid_call_whole_and_streamed(tool_server: Running, choic
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls"
     assert assembled == {0: {"name": "get_weather", "arguments": calls[0].function.arguments}}
-    # a named function's arguments stream token by token; required's array is read whole, then sent as one delta
-    assert pieces == 1 if choice == "required" else pieces > len(calls[0].function.arguments) // 2
+    assert pieces > len(calls[0].function.arguments) // 2  # the arguments streamed as they were generated
 
 
 def test_the_tool_answer_goes_back_and_gets_a_completion(tool_server: Running) -> None:
@@ -337,6 +347,36 @@ def test_auto_reads_a_hermes_call_from_free_text(tool_server: Running) -> None:
             streamed += chunk.choices[0].delta.tool_calls or []
             finish = chunk.choices[0].finish_reason or finish
     assert content == "Sure." and finish == "tool_calls"
-    assert [(c.index, c.function.name, c.function.arguments) for c in streamed if c.function] == [
-        (0, "get_weather", calls[0].function.arguments)
+    pieces = [c.model_dump(exclude_none=True) for c in streamed]
+    assert _assembled(pieces) == {0: ("get_weather", calls[0].function.arguments)}
+
+
+@pytest.mark.parametrize(
+    ("text", "level", "expected"),
+    [
+        ('{"name": "f", "arguments": {"a": {"b": [1, "}"]}}}', 0, [("f", '{"a": {"b": [1, "}"]}}')]),
+        ('{"arguments": {"x": 1}, "name": "g"}', 0, [("g", '{"x": 1}')]),  # arguments before the name
+        ('{"name": "h", "parameters": 42 , "x": 1}', 0, [("h", "42")]),  # a primitive, blanks not included
+        (
+            '[{"name":"f","parameters":{"q":"a\\"b"}},{"name":"g","parameters":{}}]',
+            1,
+            [("f", '{"q":"a\\"b"}'), ("g", "{}")],
+        ),
+        (
+            '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>\n<tool_call>{"name": "g", "argu',
+            0,
+            [("f", '{"a": 1}'), ("g", None)],
+        ),
+    ],
+    ids=["nested", "name-last", "primitive", "required-array", "cut-short"],
+)
+def test_call_spans_while_the_json_is_written(text: str, level: int, expected: list[tuple[str, str | None]]) -> None:
+    spans = tools.scan_calls(text, level, ("arguments", "parameters"))
+    found = [
+        (s.name, text[s.args_start : s.args_end] if s.args_end is not None and s.args_start is not None else None)
+        for s in spans
     ]
+    assert found == expected
+    for cut in range(len(text)):  # never wrong while cut short: a name is whole, a finished span is the same
+        for early, final in zip(tools.scan_calls(text[:cut], level, ("arguments", "parameters")), spans, strict=False):
+            assert early.name in (None, final.name) and early.args_end in (None, final.args_end)

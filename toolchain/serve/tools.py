@@ -20,10 +20,11 @@ What each piece follows:
   answer decoded with its special tokens kept is split into messages; one addressed `to=functions.NAME` is a call
   with its body as arguments, the `final` channel is the content (the `analysis` reasoning is not shown). Its
   answer is read at its end (streamed: content and calls arrive then).
-- Streaming: OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`. A named function's
-  arguments stream as they are generated (the first delta carries id, type and name); otherwise each call is sent
-  as one delta with its name and its whole arguments once the answer is complete (no argument fragments). Text
-  before a call streams as content as it comes; text that might begin a call marker is held back until decided.
+- Streaming: OpenAI's `delta.tool_calls[{index, id, type, function: {name, arguments}}]`: a call's first delta
+  carries its id, type and name (once the name is complete), the next ones its arguments as they are generated;
+  the fragments add up to the arguments of the whole answer, which are the model's text of them (not re-encoded).
+  Text before a call streams as content as it comes; text that might begin a call marker is held back until
+  decided.
 - `parallel_tool_calls: false`: at most the first call is returned.
 """
 
@@ -224,13 +225,95 @@ class ToolCall:
         return {"index": index, **self.message()}
 
 
-def _call(obj: Any, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+@dataclass
+class CallSpan:
+    """Where one call object stands in a text being generated: its name once complete, and the span of its
+    arguments' value as the model wrote it (end None while it is still open)."""
+
+    start: int
+    name: str | None = None
+    args_start: int | None = None
+    args_end: int | None = None
+    end: int | None = None
+
+
+def scan_calls(text: str, level: int, arguments_keys: tuple[str, ...]) -> list[CallSpan]:
+    """The call objects of `text`, a JSON text that may be cut short: the objects opened at nesting `level` (0:
+    one object after another, as Hermes and Llama 3 write them; 1: the items of `required`'s array). Characters
+    outside the objects (markers, separators) are skipped. One pass, no JSON parsing but the name's string."""
+    calls: list[CallSpan] = []
+    depth, in_string, escape, string_start = 0, False, False, 0
+    key: str | None = None
+    expecting: str | None = None  # the key whose value comes next, at the call's member depth
+    primitive = False  # the arguments' value is a number, true, false or null (ends at "," or "}")
+    call: CallSpan | None = None
+    member = level + 1
+    for i, ch in enumerate(text):
+        if in_string:
+            if escape:
+                escape = False
+            elif ch == "\\":
+                escape = True
+            elif ch == '"':
+                in_string = False
+                if call is not None and depth == member:
+                    literal = text[string_start : i + 1]
+                    if expecting is not None:
+                        if expecting == "name":
+                            call.name = str(json.loads(literal))
+                        elif expecting in arguments_keys and call.args_start == string_start:
+                            call.args_end = i + 1
+                        expecting = None
+                    else:
+                        key = str(json.loads(literal))
+            continue
+        if ch.isspace():
+            continue
+        if call is not None and depth == member and expecting is not None and ch not in ",}":
+            if expecting in arguments_keys and call.args_start is None:
+                call.args_start, primitive = i, ch not in '"{['
+            if ch not in '"{[':
+                continue  # inside a primitive value
+        if ch == '"':
+            in_string, string_start = True, i
+        elif ch in "{[":
+            if ch == "{" and depth == level and call is None:
+                call = CallSpan(i)
+                calls.append(call)
+            depth += 1
+            if call is not None and depth == member + 1 and expecting is not None:
+                expecting = expecting if expecting in arguments_keys else None
+        elif ch in "}]":
+            depth -= 1
+            if call is not None and depth == member and expecting in arguments_keys and call.args_end is None:
+                call.args_end, expecting = i + 1, None
+            if call is not None and depth == level:
+                if primitive and call.args_end is None and call.args_start is not None:
+                    call.args_end = len(text[:i].rstrip())
+                call.end, call, expecting, primitive = i + 1, None, None, False
+        elif ch == ":" and call is not None and depth == member:
+            expecting = key
+        elif ch == "," and call is not None and depth == member:
+            if primitive and call.args_end is None and call.args_start is not None:
+                call.args_end = len(text[:i].rstrip())
+            expecting, primitive = None, False
+    return calls
+
+
+def _call(obj: Any, arguments_keys: tuple[str, ...], raw: str, level: int = 0) -> ToolCall | None:
+    """The call in `obj` (parsed from `raw`), its arguments as the model wrote them (a streamed answer's
+    fragments add up to the same text)."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     for key in arguments_keys:
         if key in obj:
             value = obj[key]
-            return ToolCall(obj["name"], value if isinstance(value, str) else json.dumps(value, ensure_ascii=False))
+            if isinstance(value, str):  # arguments sent as a JSON string: its text is the arguments
+                return ToolCall(obj["name"], value)
+            spans = scan_calls(raw, level, arguments_keys)
+            if len(spans) == 1 and spans[0].args_start is not None and spans[0].args_end is not None:
+                return ToolCall(obj["name"], raw[spans[0].args_start : spans[0].args_end])
+            return ToolCall(obj["name"], json.dumps(value, ensure_ascii=False))
     return None
 
 
@@ -249,7 +332,7 @@ def parse_hermes(text: str) -> tuple[str | None, list[ToolCall]]:
         else:
             block, rest = rest[len(HERMES_START) :], ""
         try:
-            call = _call(json.loads(block), ("arguments",))
+            call = _call(json.loads(block), ("arguments",), block)
         except ValueError:
             call = None
         if call is None:
@@ -268,11 +351,12 @@ def parse_llama3_json(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     decoder, calls, at = json.JSONDecoder(), [], 0
     while at < len(body):
+        start = at
         try:
             obj, at = decoder.raw_decode(body, at)
         except ValueError:
             return text, []
-        call = _call(obj, ("arguments", "parameters"))
+        call = _call(obj, ("arguments", "parameters"), body[start:at])
         if call is None:
             return text, []
         calls.append(call)
@@ -323,7 +407,9 @@ def parse(mode: ToolMode, text: str) -> tuple[str | None, list[ToolCall]]:
             return text, []
         if not isinstance(items, list):
             return text, []
-        calls = [c for c in (_call(item, ("parameters",)) for item in items) if c is not None]
+        spans = scan_calls(text, 1, ("parameters",))
+        raws = [text[s.start : s.end] for s in spans] if len(spans) == len(items) else [json.dumps(i) for i in items]
+        calls = [c for c in (_call(i, ("parameters",), raw) for i, raw in zip(items, raws, strict=True)) if c]
         content = None
     elif mode.parser == "hermes":
         content, calls = parse_hermes(text)
@@ -348,7 +434,8 @@ def apply(choice: dict[str, Any], mode: ToolMode, text: str, finish_reason: str)
 
 class ToolStream:
     """A streamed chat answer read for tool calls: `feed` each text delta, get the deltas to send; `finish` at the
-    end. Content streams until a call may begin; calls are sent whole once the answer is complete."""
+    end. Content streams until a call may begin; then each call's name once complete and its arguments as they
+    are written (gpt-oss: all at the end)."""
 
     def __init__(self, mode: ToolMode) -> None:
         self.mode, self.text, self.sent = mode, "", 0  # sent: characters of `text` streamed as content
@@ -356,6 +443,7 @@ class ToolStream:
         self.holding = mode.choice != "auto" or self.needs_special_tokens
         self.called = False
         self.call: ToolCall | None = None  # the named function's call, once its first delta is out
+        self.streamed: list[tuple[ToolCall, int]] = []  # calls announced so far, and their argument characters sent
 
     def _marker_at(self) -> int | None:
         """Where a call begins in the text not yet sent, or None; and how much is safe to send meanwhile."""
@@ -396,17 +484,56 @@ class ToolStream:
                 ]
             return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}] if delta else []
         if self.holding:
-            return []
+            return self._call_deltas() if not self.needs_special_tokens else []
         marker = self._marker_at()
         if marker is not None:
             self.holding = True
             end = marker
         else:
             end = self._safe_end()
-        if end <= self.sent:
+        out: list[dict[str, Any]] = []
+        if end > self.sent:
+            out.append({"content": self.text[self.sent : end]})
+            self.sent = end
+        return out + (self._call_deltas() if self.holding else [])
+
+    def _region(self) -> tuple[int, int, tuple[str, ...]] | None:
+        """Where the calls begin in the text, the nesting level of their objects, and their arguments' keys."""
+        if self.mode.choice == "required":
+            return 0, 1, ("parameters",)
+        if self.mode.parser == "hermes":
+            at = self.text.find(HERMES_START)
+            return (at, 0, ("arguments",)) if at >= 0 else None
+        at = self.text.find("{")
+        return (at, 0, ("arguments", "parameters")) if at >= 0 else None
+
+    def _call_deltas(self) -> list[dict[str, Any]]:
+        """The deltas of the calls as far as they are written: a call's first delta once its name is complete
+        (id, type, name), then its arguments as they come (held back: trailing blanks, which may end up outside
+        them, and arguments written as a JSON string, sent whole at the end)."""
+        region = self._region()
+        if region is None:
             return []
-        out, self.sent = self.text[self.sent : end], end
-        return [{"content": out}]
+        offset, level, keys = region
+        text = self.text[offset:]
+        out: list[dict[str, Any]] = []
+        for i, span in enumerate(scan_calls(text, level, keys)):
+            if (i > 0 and not self.mode.parallel) or span.name is None:
+                break  # in order: a later call waits for this one's name
+            if i == len(self.streamed):
+                call = ToolCall(span.name, "")
+                self.streamed.append((call, 0))
+                out.append({"tool_calls": [{**call.delta(i), "function": {"name": span.name, "arguments": ""}}]})
+            if span.args_start is None or text[span.args_start] == '"':
+                continue
+            end = span.args_end if span.args_end is not None else len(text.rstrip())
+            call, sent = self.streamed[i]
+            piece = text[span.args_start + sent : end]
+            if piece:
+                self.streamed[i] = (call, sent + len(piece))
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+        self.called = bool(self.streamed)
+        return out
 
     def finish(self, raw: str | None = None) -> list[dict[str, Any]]:
         """The deltas that end the answer: held-back content, or the tool calls. `raw`: the whole answer decoded
@@ -420,11 +547,16 @@ class ToolStream:
                 {"tool_calls": [call.delta(i)]} for i, call in enumerate(calls)
             ]
         rest = self.text[self.sent :]
-        if self.mode.choice == "auto":
-            _, calls = parse(self.mode, self.text)
-        else:
-            _, calls = parse(self.mode, rest)
+        out = self._call_deltas() if self.holding else []
+        _, calls = parse(self.mode, self.text if self.mode.choice == "auto" else rest)
         if not calls:
-            return [{"content": rest}] if rest else []
+            return out if self.streamed else ([{"content": rest}] if rest else [])
         self.called = True
-        return [{"tool_calls": [call.delta(i)]} for i, call in enumerate(calls)]
+        for i, call in enumerate(calls):  # what the whole answer holds beyond what was streamed
+            if i < len(self.streamed):
+                piece = call.arguments[self.streamed[i][1] :]
+                if piece:
+                    out.append({"tool_calls": [{"index": i, "function": {"arguments": piece}}]})
+            else:
+                out.append({"tool_calls": [call.delta(i)]})
+        return out
