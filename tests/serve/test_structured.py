@@ -31,6 +31,8 @@ SCHEMA = {  # bounded: a noise model finishes it within max_tokens (unbounded st
 }
 REGEX = "[0-9]{3}-[a-z]{2,5}"  # [0-9]: llguidance's \d is any Unicode decimal digit (Rust's regex crate)
 CHOICES = ["red", "green", "blue", "cyan"]
+LARK = 'start: term ("+" term)* "=" NUMBER\nterm: "x" | "y"\nNUMBER: /[0-9]{1,3}/'  # vLLM's guided_grammar: Lark
+LARK_AS_REGEX = r"[xy](\+[xy])*=[0-9]{1,3}"
 FORMATS: dict[str, tuple[dict[str, Any], Callable[[str], None]]] = {
     "json_schema": (
         {"response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA, "strict": True}}},
@@ -38,6 +40,7 @@ FORMATS: dict[str, tuple[dict[str, Any], Callable[[str], None]]] = {
     ),
     "regex": ({"guided_regex": REGEX}, lambda text: _check(re.fullmatch(REGEX, text) is not None, text)),
     "choice": ({"structured_outputs": {"choice": CHOICES}}, lambda text: _check(text in CHOICES, text)),
+    "grammar": ({"guided_grammar": LARK}, lambda text: _check(re.fullmatch(LARK_AS_REGEX, text) is not None, text)),
 }
 
 
