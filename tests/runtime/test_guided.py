@@ -101,6 +101,20 @@ def test_a_bad_grammar_fails_its_request_alone(tokenizer: Any) -> None:
     assert good.finish_reason is FinishReason.LENGTH
 
 
+def test_a_failed_mask_fails_its_rows_not_the_step(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: Guide, pairs: Any, masks: Any) -> None:
+        raise RuntimeError("mask size mismatch")
+
+    monkeypatch.setattr(Guide, "_fill", broken)
+    rt = runtime(tokenizer)
+    constrained_request = rt.add_request([5, 6], constrained(GrammarSpec("regex", "[a-z]+"), 0))
+    plain = rt.add_request([5, 7], SamplingParams(4, 0.0))
+    rt.run()
+    assert constrained_request.finish_reason is FinishReason.ERROR
+    assert "mask size mismatch" in (constrained_request.error or "")
+    assert plain.finish_reason is FinishReason.LENGTH and len(plain.generated) == 4
+
+
 def test_mask_allows_what_the_grammar_allows(tokenizer: Any) -> None:
     guide = Guide(tokenizer, VOCAB)
     request = Request([5], constrained(GrammarSpec("regex", "[ab]c"), 0))

@@ -88,6 +88,7 @@ class Guide:
         self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()  # LRU of fresh matchers, copied per request
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
+        self._failed: str | None = None  # why the last fill failed, for its rows
         self._rows: dict[str, int] = {}  # request id -> its row of `_masks` (the last `begin`)
         self._masks = np.zeros((0, (vocab + 31) // 32), dtype=np.int32)
         self._lock = threading.Lock()  # add() may build the tokenizer from another thread than the step loop's
@@ -139,6 +140,7 @@ class Guide:
     def begin(self, requests: Sequence[Request]) -> None:
         """Start computing the next-token masks of `requests` (off the caller's thread)."""
         self.wait()
+        self._failed = None
         live = [r for r in requests if r.guide_state is not None]
         if not live:
             return
@@ -156,10 +158,14 @@ class Guide:
         self.mask_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
-        """Wait for the masks `begin` started."""
+        """Wait for the masks `begin` started. A fill that raised fails the rows it was for (`mask` raises
+        ValueError for them: the loop ends those requests alone), not the step."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            try:
+                pending.result()
+            except Exception as e:  # llguidance refusing a call: a bug to report, not a reason to stop serving
+                self._failed = f"computing the grammar mask failed ({type(e).__name__}: {e})"
 
     def mask(self, request: Request, scores: torch.Tensor) -> None:
         """Set the scores of the tokens `request`'s grammar forbids to -inf, in place."""
@@ -171,6 +177,8 @@ class Guide:
             self.begin([request])
             self.wait()
             row = self._rows[request.id]
+        if self._failed is not None:
+            raise ValueError(self._failed)
         bits = np.unpackbits(self._masks[row].view(np.uint8), bitorder="little")[: scores.numel()]
         scores.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
 
