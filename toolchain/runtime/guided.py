@@ -173,13 +173,15 @@ class Guide:
         if matcher is None:
             return
         row = self._rows.get(request.id)
-        if row is None:  # not in the last `begin` (a caller that did not start it): compute it here
-            self.begin([request])
-            self.wait()
-            row = self._rows[request.id]
-        if self._failed is not None:
+        if row is None:  # not in this step's `begin` (a caller that did not start it): computed here, alone
+            words = np.zeros((1, self._masks.shape[1]), dtype=np.int32)
+            llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
+            mask = words[0]
+        elif self._failed is not None:
             raise ValueError(self._failed)
-        bits = np.unpackbits(self._masks[row].view(np.uint8), bitorder="little")[: scores.numel()]
+        else:
+            mask = self._masks[row]
+        bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: scores.numel()]
         scores.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
 
     def accept(self, request: Request, token: int) -> str | None:
