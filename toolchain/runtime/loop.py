@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -73,6 +73,7 @@ class Runtime:
         self._deadlines: list[tuple[float, int, Request]] = []  # heap
         self._order = itertools.count()  # ties between equal deadlines, without comparing requests
         self.guide = Guide(tokenizer, engine.vocab_size)  # structured output
+        self._prompt_logprobs_live = 0  # live requests that asked for prompt logprobs (their chunks' every row)
 
     # -- requests -----------------------------------------------------------------------------------------------
     def check_request(self, prompt: list[int], params: SamplingParams) -> str | None:
@@ -133,6 +134,9 @@ class Runtime:
             self._retire(request, Status.FAILED, FinishReason.ERROR, problem)
         else:
             self.scheduler.add(request)
+            if request.params.prompt_logprobs is not None:
+                request.admitted = True
+                self._prompt_logprobs_live += 1
         self._flush()
         return request
 
@@ -157,13 +161,20 @@ class Runtime:
         if request in self.scheduler.waiting:
             self.scheduler.waiting.remove(request)
         self.scheduler.free(request)
-        self.guide.release(request)
-        if self.proposer is not None:
-            self.proposer.release(request)
+        self._release(request)
         request.status, request.finish_reason, request.error = status, reason, error
         request.finished_at = self.clock()
         self.requests.pop(request.id, None)
         self._emit(request, None, text, reason)
+
+    def _release(self, request: Request) -> None:
+        """`request` leaves the runtime: what the guide, the proposer and the loop keep for it goes."""
+        self.guide.release(request)
+        if self.proposer is not None:
+            self.proposer.release(request)
+        if request.params.prompt_logprobs is not None and request.admitted:
+            request.admitted = False
+            self._prompt_logprobs_live -= 1
 
     def _emit(
         self,
@@ -239,27 +250,39 @@ class Runtime:
                 s.request.first_scheduled = now
                 s.request.num_cached = s.context_len
                 self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
-        drafts = self._propose(scheduled)  # speculation: each decode's drafted tokens, appended to its chunk
-        # sequences whose chunk needs every position's logits (prompt logprobs, drafts to verify), and each
-        # sequence's output rows
-        every = [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
-        many = [e or d is not None for e, d in zip(every, drafts, strict=True)]
-        counts = [len(s.tokens) if m else 1 for s, m in zip(scheduled, many, strict=True)]
-        last = list(itertools.accumulate(counts))  # one past each sequence's last output row
+        drafts = self._propose(scheduled) if self.proposer is not None else None  # speculation: drafted tokens
+        every = (  # sequences whose chunk needs every position's logits: prompt logprobs
+            [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
+            if self._prompt_logprobs_live
+            else None
+        )
+        last: Sequence[int]  # one past each sequence's last output row
+        if drafts is None and every is None:  # the common step: one output row per sequence, its last token's
+            counts, last, many = None, range(1, len(scheduled) + 1), None
+        else:  # ... or every row for the sequences with prompt logprob rows or drafts to verify
+            every = every or [False] * len(scheduled)
+            drafts = drafts or [None] * len(scheduled)
+            many = [e or d is not None for e, d in zip(every, drafts, strict=True)]
+            counts = [len(s.tokens) if m else 1 for s, m in zip(scheduled, many, strict=True)]
+            last = list(itertools.accumulate(counts))
         batch = Batch.from_sequences(
             [s.tokens for s in scheduled],
             [s.context_len for s in scheduled],
             [s.request.blocks for s in scheduled],
-            many if any(many) else False,
+            many if many is not None and any(many) else False,
         )
         sampled: list[int] = []  # output rows whose logits come to the host: only for requests that need them
         constrained: list[Request] = []
         for i, s in enumerate(scheduled):
-            if every[i] or (drafts[i] is not None and s.request.params.needs_host_logits):
-                sampled.extend(range(last[i] - counts[i], last[i]))
-            elif s.request.params.needs_host_logits and s.context_len + len(s.tokens) >= len(s.request.tokens):
+            p = s.request.params
+            if not p.needs_host_logits and many is None:
+                continue
+            complete = s.context_len + len(s.tokens) >= len(s.request.tokens)
+            if many is not None and (every[i] or (drafts[i] is not None and p.needs_host_logits)):  # type: ignore[index]
+                sampled.extend(range(last[i] - counts[i], last[i]))  # type: ignore[index]
+            elif p.needs_host_logits and complete:
                 sampled.append(last[i] - 1)
-            if s.request.params.grammar is not None and s.context_len + len(s.tokens) >= len(s.request.tokens):
+            if p.grammar is not None and complete:
                 constrained.append(s.request)
         if constrained:
             self.guide.begin(constrained)  # masks computed while the engine runs
@@ -273,8 +296,8 @@ class Runtime:
             request = s.request
             if request.done:  # cancelled while this step ran
                 continue
-            draft = drafts[i]
-            if draft is not None:
+            if drafts is not None and (draft := drafts[i]) is not None:
+                assert counts is not None
                 tokens += self._verify(request, draft, last[i] - counts[i], step, greedy_ids, ended)
                 continue
             self.blocks.advance(request, len(s.tokens))
@@ -282,7 +305,8 @@ class Runtime:
             if s.context_len < len(request.prompt):  # prompt tokens in this row (decode rows have none)
                 tokens += min(len(request.prompt), s.context_len + len(s.tokens)) - s.context_len
             try:
-                if every[i]:
+                if every is not None and every[i]:
+                    assert counts is not None
                     logprobs.collect_prompt(
                         request, s.context_len, [step.rows[r] for r in range(row - counts[i] + 1, row + 1)]
                     )
@@ -306,10 +330,11 @@ class Runtime:
         self._flush()
         return ended
 
-    def _propose(self, scheduled: list[Scheduled]) -> list[Draft | None]:
-        """The proposer's drafts for the decodes with reserved slots (None elsewhere), appended to their chunks."""
+    def _propose(self, scheduled: list[Scheduled]) -> list[Draft | None] | None:
+        """The proposer's drafts for the decodes with reserved slots (None elsewhere), appended to their chunks;
+        None when no sequence has slots."""
         if self.proposer is None or not any(s.spec for s in scheduled):
-            return [None] * len(scheduled)
+            return None
         drafts = self.proposer.propose(scheduled)
         for k, (s, d) in enumerate(zip(scheduled, drafts, strict=True)):
             if d is None or not d.tokens or not s.spec:
@@ -318,7 +343,7 @@ class Runtime:
             if len(d.tokens) > s.spec:  # a proposer may not use more slots than the scheduler reserved
                 raise RuntimeError(f"the proposer drafted {len(d.tokens)} tokens for {s.spec} slots")
             s.tokens = s.tokens + d.tokens
-        return drafts
+        return drafts if any(d is not None for d in drafts) else None
 
     def _verify(
         self,
@@ -405,9 +430,7 @@ class Runtime:
             text += detok.flush()
         request.status, request.finish_reason, request.finished_at = Status.FINISHED, reason, self.clock()
         self.scheduler.free(request)
-        self.guide.release(request)
-        if self.proposer is not None:
-            self.proposer.release(request)
+        self._release(request)
         self.requests.pop(request.id, None)
         self._emit(request, token, text, reason, logprob)
         ended.append(request)

@@ -37,6 +37,9 @@ class SamplingParams:
     grammar: GrammarSpec | None = None  # structured output: every token must keep the text inside the grammar
     include_stop_str_in_output: bool = False  # vLLM: the matched stop string (or stop token's text) stays in the text
     skip_special_tokens: bool = True  # special tokens' text left out of the output (vLLM's default)
+    # whether the token is chosen on the host from the full logits row: anything beyond a plain argmax. A plain greedy
+    # request keeps the engine's own argmax (no logits leave the device for it). Derived from the fields above.
+    needs_host_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -51,11 +54,9 @@ class SamplingParams:
                 raise ValueError(f"{name} {value}: must be >= 0")
         if self.repetition_penalty <= 0 or not 0 <= self.min_p <= 1 or self.min_tokens < 0:
             raise ValueError("repetition_penalty > 0, 0 <= min_p <= 1 and min_tokens >= 0")
+        object.__setattr__(self, "needs_host_logits", self._needs_host_logits())  # read per row per step: kept
 
-    @property
-    def needs_host_logits(self) -> bool:
-        """Whether the token is chosen on the host from the full logits row: anything beyond a plain argmax. A plain
-        greedy request keeps the engine's own argmax (no logits leave the device for it)."""
+    def _needs_host_logits(self) -> bool:
         return (
             self.temperature != 0
             or self.logprobs is not None
@@ -200,6 +201,7 @@ class Request:
     guide_state: Any = None  # the grammar matcher, runtime/guided.py's
     prompt_lps: list[TokenLogprob | None] = field(default_factory=list)  # prompt logprobs collected so far
     prompt_lps_sent: bool = False
+    admitted: bool = False  # counted among the runtime's live prompt-logprob requests
     spec_state: Any = None  # the speculative proposer's per-request state (issue 30)
     spec: SpecStats = field(default_factory=SpecStats)  # this request's drafts and accepted tokens
     tokens: list[int] = field(init=False)  # prompt + generated: what the model must have seen before the next sample
