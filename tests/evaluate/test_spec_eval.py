@@ -160,7 +160,31 @@ def test_a_recipes_spec_gates_need_golden_prompts_and_a_speculative_section(tmp_
     recipe.write_text("model: {path: hf}\neval:\n  data: t.txt\n  gates: {acceptance_rate_min: 0.5}\n")
     with pytest.raises(UserError, match=r"r.yaml:4: eval.gates.acceptance_rate_min .* add eval.golden"):
         load_recipe(recipe)
-    with pytest.raises(UserError, match="eval.gates.spec_equal_min needs a proposer .* add a speculative: section"):
+    with pytest.raises(UserError, match=r"eval.gates.spec_equal_min needs a proposer .* add a speculative: section"):
         load_recipe(
             recipe, ["eval.golden=g.jsonl", "eval.gates.acceptance_rate_min=null", "eval.gates.spec_equal_min=1"]
         )
+
+
+def test_a_divergence_is_reported_with_the_targets_top2_margin(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fakes import FakeEngine, expected_output
+
+    from toolchain.evaluate import engine_eval
+    from toolchain.evaluate.engine_eval import EngineSession, SpecOptions, spec_golden
+    from toolchain.runtime.speculative import SpecConfig
+
+    prompts = [[5, 6, 7, 5, 6], [9, 8, 9, 8]]
+    plain = [expected_output(p, 6) for p in prompts]
+    real = EngineSession.speculative
+
+    def broken(self: EngineSession, *args: Any) -> Any:  # a speculative path that changes token 3 of prompt 1
+        outs, per_prompt, total = real(self, *args)
+        outs[1] = [*outs[1][:3], outs[1][3] + 1, *outs[1][4:]]
+        return outs, per_prompt, total
+
+    monkeypatch.setattr(engine_eval.EngineSession, "speculative", broken)
+    sp = spec_golden(FakeEngine(), prompts, [6, 6], plain, SpecOptions(SpecConfig("ngram")))
+    assert sp["spec_equal"] == 0.5 and sp["per_prompt"][0]["equal"]
+    bad = sp["per_prompt"][1]
+    assert (bad["first_divergence"], bad["plain_token"], bad["speculative_token"]) == (3, plain[1][3], plain[1][3] + 1)
+    assert bad["target_top2"][0] == plain[1][3] and bad["margin"] == 1.0  # the fake's one-hot row: a clear margin

@@ -1,5 +1,6 @@
 """`trtbuild eval`: the quality module's metrics on an ENGINE's logits (through its backend) against the original
-Hugging Face model in float32; greedy golden-prompt replay; gates that turn a regression into exit code 3."""
+Hugging Face model in float32; greedy golden-prompt replay, and with a proposer the same replay speculating
+(`spec_golden`, issue 30); gates that turn a regression into exit code 3."""
 
 from __future__ import annotations
 
