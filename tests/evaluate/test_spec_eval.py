@@ -148,6 +148,7 @@ def test_diff_reports_both_sides_acceptance_and_gates_new(
     )
     assert not gates["new_acceptance_rate_min"]["pass"]
     assert "## Speculative decoding" in (tmp_path / "d" / "report.md").read_text()
+    assert "Speculative decoding (golden prompts)</h2>" in (tmp_path / "d" / "report.html").read_text()
     line = one_line_error(cli("diff", stories_run["engine"], stories_run["engine2"], "--gate", "new_spec_equal_min=1"))
     assert "new_spec_equal_min" in line
 

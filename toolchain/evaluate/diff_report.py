@@ -277,6 +277,14 @@ def _table(title: str, header: list[str], rows: Sequence[tuple[Any, ...]], css: 
     return f"<h2>{html.escape(title)}</h2><table class='{css}'><tr>{head}</tr>{body}</table>"
 
 
+def spec_rows(speculative: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The speculative replays as (side, text) rows for report.html."""
+    if speculative is None:
+        return []
+    new, *olds = spec_lines(speculative)
+    return [("NEW", line.strip()) for line in [new, *olds[:-1]]] + [("OLD", olds[-1].removeprefix("OLD "))]
+
+
 def page(result: dict[str, Any]) -> str:
     v = verdict(result)
     color = {"PASS": "#1d7a3a", "REGRESSION": "#b3261e", "QUALITY REFUSED": "#b3261e"}.get(v, "#555")
@@ -311,6 +319,7 @@ NEW <code>{html.escape(new["path"])}</code> ({new["kind"]}, engine manifest {new
             "num",
         )
     }
+{_table("Speculative decoding (golden prompts)", ["side", "what"], spec_rows(result.get("speculative")))}
 {_table("Gates", ["gate", "limit", "value", "result"], gates, "num")}
 {"<h2>Plots</h2>" if result["quality"] or result["speed"] else ""}
 {"".join(plots(result))}
