@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
@@ -36,6 +36,9 @@ from toolchain.quantize.methods import (
     METHOD_NAMES,
     METHODS_HELP,
 )
+
+if TYPE_CHECKING:
+    from toolchain.evaluate.engine_eval import SpecOptions
 
 
 class _PlainErrors(typer.core.TyperGroup):
@@ -341,6 +344,50 @@ def _parse_gates(items: list[str]) -> dict[str, float]:
     return gates
 
 
+# speculative decoding (issue 30): eval and diff replay the golden prompts speculating with these (slice D gives
+# serve / generate / bench the same names; the lead unifies the aliases at merge)
+SpecNgramOpt = Annotated[
+    bool, typer.Option("--ngram", help="Speculate with n-gram prompt lookup (vLLM's ngram proposer).")
+]
+SpecNgramMinOpt = Annotated[
+    int | None, typer.Option("--ngram-min", min=1, help="Shortest n-gram matched (prompt_lookup_min; default 2).")
+]
+SpecNgramMaxOpt = Annotated[
+    int | None, typer.Option("--ngram-max", min=1, help="Longest n-gram matched (prompt_lookup_max; default 4).")
+]
+SpecTokensOpt = Annotated[
+    int | None,
+    typer.Option("--num-speculative-tokens", min=1, help="Tokens drafted per step at most (default 4)."),
+]
+SpecDraftOpt = Annotated[
+    Path | None, typer.Option("--draft", help="Speculate with this draft engine (same tokenizer as the target).")
+]
+
+
+def _speculation(
+    ngram: bool, ngram_min: int | None, ngram_max: int | None, k: int | None, draft: Path | None
+) -> SpecOptions | None:
+    """--ngram / --draft and their settings as eval's and diff's speculation; None when neither is given."""
+    from toolchain.evaluate.engine_eval import SpecOptions
+    from toolchain.runtime.speculative import SpecConfig
+
+    if ngram and draft is not None:
+        raise UserError("--ngram and --draft both given: speculate with one proposer; drop one of them")
+    if not ngram and (ngram_min is not None or ngram_max is not None):
+        raise UserError("--ngram-min/--ngram-max set the n-gram proposer: add --ngram")
+    if not ngram and draft is None:
+        if k is not None:
+            raise UserError("--num-speculative-tokens needs a proposer: add --ngram or --draft DIR")
+        return None
+    lo = ngram_min if ngram_min is not None else min(2, ngram_max or 2)
+    hi = ngram_max if ngram_max is not None else max(4, lo)
+    try:
+        config = SpecConfig("ngram" if ngram else "draft", k or 4, lo, hi)
+    except ValueError as e:  # min > max
+        raise UserError(f"{e} (--ngram-min {lo}, --ngram-max {hi})") from e
+    return SpecOptions(config, draft)
+
+
 @app.command(
     "eval",
     epilog="Example: `trtbuild eval ./engine --reference ./hf-model --data ../shared/data/wikitext-2/test.txt "
@@ -362,12 +409,18 @@ def eval_(
         typer.Option(
             "--gate",
             metavar="NAME=LIMIT",
-            help="kld_mean_max, top1_min, ppl_ratio_max, golden_exact_min (repeatable); a failure exits 3.",
+            help="kld_mean_max, top1_min, ppl_ratio_max, golden_exact_min, spec_equal_min, acceptance_rate_min "
+            "(repeatable); a failure exits 3.",
         ),
     ] = None,
     backend: Annotated[
         Backend | None, typer.Option(help="Run through this backend instead of the engine's own.")
     ] = None,
+    ngram: SpecNgramOpt = False,
+    ngram_min: SpecNgramMinOpt = None,
+    ngram_max: SpecNgramMaxOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
+    draft: SpecDraftOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -379,12 +432,14 @@ def eval_(
 
     with _handled():
         gates = _parse_gates(gate or [])
+        speculation = _speculation(ngram, ngram_min, ngram_max, num_speculative_tokens, draft)
         trusted_spec(engine_dir)  # the tokenizer is one of the engine's files: they are checked first (exit 4)
         require_tokenizer(engine_dir)
         out = output or default_report_dir(engine_dir)
         r = run_eval(
-            engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force
-        )
+            engine_dir, out, reference, data, max_tokens, golden, gates, backend.value if backend else None, force,
+            speculation=speculation,
+        )  # fmt: skip
     _emit(r.to_json(plots=False), json_out, r.lines())
     if not r.passed:
         console.err.print("quality regression: a gate failed (exit 3)", markup=False)
@@ -723,9 +778,15 @@ def diff_(
             "--gate",
             metavar="NAME=LIMIT",
             help="kld_vs_old_max, kld_p99_vs_old_max, top1_vs_old_min, ppl_ratio_vs_old_max, golden_same_min, "
-            "throughput_ratio_min, ttft_p90_ratio_max, tpot_p90_ratio_max (repeatable); a failure exits 3.",
+            "throughput_ratio_min, ttft_p90_ratio_max, tpot_p90_ratio_max, new_spec_equal_min, "
+            "new_acceptance_rate_min, acceptance_ratio_vs_old_min (repeatable); a failure exits 3.",
         ),
     ] = None,
+    ngram: SpecNgramOpt = False,
+    ngram_min: SpecNgramMinOpt = None,
+    ngram_max: SpecNgramMaxOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
+    draft: SpecDraftOpt = None,
     changes_only: Annotated[
         bool, typer.Option("--changes-only", help="Only what changed, from the manifests (no model run).")
     ] = False,
@@ -745,6 +806,7 @@ def diff_(
         opts = DiffOptions(
             data, max_tokens, reference, golden, trace, max_requests, rate_scale, rounds,
             tuple(_parse_gates(gate or []).items()), changes_only,
+            _speculation(ngram, ngram_min, ngram_max, num_speculative_tokens, draft),
         )  # fmt: skip
         r = run_diff(old, new, opts, output, force, on_changes=show_changes)
     _emit(r.to_json(plots=False), json_out, r.lines())

@@ -166,6 +166,13 @@ class GatesSection(_Section):
     top1_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest acceptable same-top-1 fraction")
     ppl_ratio_max: StrictFloat | None = Field(None, ge=0, description="Largest acceptable PPL(engine)/PPL(reference)")
     golden_exact_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest golden exact-match rate")
+    # issue 30: the golden prompts replayed speculating (the recipe's `speculative:` section)
+    spec_equal_min: StrictFloat | None = Field(
+        None, ge=0, le=1, description="Smallest share of golden prompts token-identical when speculating"
+    )
+    acceptance_rate_min: StrictFloat | None = Field(
+        None, ge=0, le=1, description="Smallest share of drafted tokens accepted on the golden prompts"
+    )
     # against eval.baseline (`trtbuild diff BASELINE ENGINE`): NEW is this run's engine, OLD the baseline
     kld_vs_old_max: StrictFloat | None = Field(None, ge=0, description="Largest mean KLD of the engine vs the baseline")
     top1_vs_old_min: StrictFloat | None = Field(None, ge=0, le=1, description="Smallest same-top-1 vs the baseline")
@@ -253,7 +260,21 @@ def load_recipe(path: Path, overrides: list[str] | tuple[str, ...] = ()) -> Load
         recipe = Recipe.model_validate(data)
     except ValidationError as e:
         raise UserError(_explain(e, path, root, overridden)) from e
+    _check_spec_gates(recipe, path, root)
     return LoadedRecipe(_resolve_paths(recipe, path.parent.resolve()), path.resolve(), recipe)
+
+
+def _check_spec_gates(recipe: Recipe, path: Path, root: yaml.Node | None) -> None:
+    """The speculative gates (issue 30) measure the golden prompts replayed with the recipe's proposer."""
+    gates = recipe.eval.gates if recipe.eval is not None else None
+    for name in ("spec_equal_min", "acceptance_rate_min"):
+        if gates is None or getattr(gates, name) is None:
+            continue
+        where = f"{path}{_line(root, ['eval', 'gates', name])}: eval.gates.{name}"
+        if recipe.eval is not None and recipe.eval.golden is None:
+            raise UserError(f"{where} measures the golden prompts replayed speculating: add eval.golden")
+        if getattr(recipe, "speculative", None) is None:
+            raise UserError(f"{where} needs a proposer to measure: add a speculative: section")
 
 
 def _apply_override(data: dict[str, Any], override: str) -> str:

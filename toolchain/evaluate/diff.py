@@ -28,9 +28,16 @@ from toolchain import console
 from toolchain.atomic import atomic_dir, check_output_dir
 from toolchain.engine.api import BUILD_CONFIG, Engine, EngineSpec, load_tokenizer, open_trusted, trusted_spec
 from toolchain.errors import UserError
-from toolchain.evaluate.diff_report import change_lines, quality_rows, speed_rows, summary_line, write_reports
-from toolchain.evaluate.engine_eval import EngineSession, Reference
-from toolchain.evaluate.gates import DIFF, GateResult, check, check_limit
+from toolchain.evaluate.diff_report import (
+    change_lines,
+    quality_rows,
+    spec_lines,
+    speed_rows,
+    summary_line,
+    write_reports,
+)
+from toolchain.evaluate.engine_eval import EngineSession, Reference, SpecOptions, spec_golden
+from toolchain.evaluate.gates import DIFF, SPEC_NEEDS, GateResult, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, read_golden
 from toolchain.manifest import MANIFEST_NAME, StageRecord, read_manifest, sha256_file
 from toolchain.quality import QualityReport, kld_histogram, summarize, token_stats
@@ -56,6 +63,7 @@ class DiffOptions:
     rounds: int = 3
     gates: tuple[tuple[str, float], ...] = ()
     changes_only: bool = False
+    spec: SpecOptions | None = None  # replay the golden prompts speculating on both engines (issue 30)
 
 
 @dataclass(frozen=True)
@@ -408,16 +416,19 @@ def _histograms(klds: dict[str, torch.Tensor]) -> dict[str, Any]:
     return {"edges": edges, "counts": dict(zip(klds, counts, strict=True))}
 
 
-def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] | None, str | None]:
+def golden(
+    old: Engine, new: Engine, path: Path, spec: SpecOptions | None = None
+) -> tuple[list[dict[str, Any]] | None, str | None, dict[str, Any] | None]:
     """Greedy continuations of each prompt by both engines; where NEW's output differs, the first token that does.
-    (None, why) when the two tokenizers make different prompts."""
+    (None, why, None) when the two tokenizers make different prompts. With `spec`, each engine replays them again
+    speculating (engine_eval.spec_golden, against its own greedy output): {"old": ..., "new": ...}."""
 
     items = read_golden(path)
     toks = [load_tokenizer(e.spec.engine_dir) for e in (old, new)]
     render = TokenBytes(toks[0]).render  # bytes that are not valid UTF-8 shown as escapes, as eval's report does
     prompts, new_prompts = ([t(item.prompt, add_special_tokens=True)["input_ids"] for item in items] for t in toks)
     if prompts != new_prompts:
-        return None, f"OLD and NEW tokenize the prompts of {path} differently (their tokenizers differ)"
+        return None, f"OLD and NEW tokenize the prompts of {path} differently (their tokenizers differ)", None
     for item, ids in zip(items, prompts, strict=True):
         if not ids:
             raise UserError(f"{path}: prompt {item.prompt!r} tokenizes to nothing; give it some text")
@@ -439,7 +450,14 @@ def golden(old: Engine, new: Engine, path: Path) -> tuple[list[dict[str, Any]] |
                 "new_tokens": b,
             }
         )
-    return results, None
+    speculative = None
+    if spec is not None:
+        console.info(f"replaying {len(prompts)} golden prompts speculating ({spec.config.method}) on both engines")
+        speculative = {
+            side: spec_golden(engine, prompts, lengths, out, spec)
+            for side, engine, out in (("old", old, outs[0]), ("new", new, outs[1]))
+        }
+    return results, None, speculative
 
 
 # -- speed --------------------------------------------------------------------------------------------------------
@@ -506,6 +524,7 @@ def _ratio(new: float | None, old: float | None) -> float | None:
 def check_gate_names(gates: dict[str, float], opts: DiffOptions, have_data: bool) -> None:
     """Everything a user can get wrong about gates, before any work."""
     available = {"--data": have_data, "--golden": opts.golden is not None, "--trace": opts.trace is not None}
+    available[SPEC_NEEDS] = opts.golden is not None and opts.spec is not None
     for gate, limit in gates.items():
         needs = check_limit(gate, limit, DIFF).needs
         if opts.changes_only or not available[needs]:
@@ -554,6 +573,7 @@ class DiffResult:
     quality_refused: str | None = None  # why quality was not compared (two different models, tokenizers)
     golden: list[dict[str, Any]] | None = None
     golden_same: float | None = None
+    speculative: dict[str, Any] | None = None  # {"old", "new"}: engine_eval.spec_golden's records; None without it
     speed: dict[str, Any] | None = None
     gates: list[GateResult] | None = None  # None: not checked yet (the change table alone, `on_changes`)
     passed: bool = True
@@ -577,6 +597,8 @@ class DiffResult:
             "golden_same": self.golden_same,
             "speed": self.speed,
         }
+        if self.speculative is not None:
+            out["speculative"] = self.speculative
         if self.gates is not None:
             out.update(gates=[g.to_json() for g in self.gates], passed=self.passed)
         if self.report_dir is not None:
@@ -600,6 +622,8 @@ class DiffResult:
             lines += [
                 f"    changed at token {g['first_divergence']}: {g['prompt']!r}" for g in self.golden if not g["same"]
             ]
+        if self.speculative is not None:
+            lines += ["  " + line for line in spec_lines(self.speculative)]
         if self.speed is not None:
             s = self.speed
             lines.append(
@@ -631,6 +655,10 @@ def diff(
     for path, what in ((opts.data, "--data"), (opts.golden, "--golden"), (opts.trace, "--trace")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
+    if opts.spec is not None:
+        if opts.golden is None or opts.changes_only:
+            raise UserError("speculation is measured on the golden prompts: pass --golden PROMPTS.jsonl")
+        opts.spec.check()
     if opts.reference is not None and not (opts.reference / "config.json").is_file():
         raise UserError(f"--reference {opts.reference}: not a Hugging Face model dir (no config.json)")
     model_options = {"--data": opts.data, "--reference": opts.reference, "--golden": opts.golden, "--trace": opts.trace}
@@ -657,6 +685,10 @@ def diff(
     if not opts.changes_only:
         result = _run_models(old, new, data, opts, result)
     metrics: dict[str, float | None] = {"golden_same": result.golden_same}
+    if result.speculative is not None:
+        new_spec, old_spec = result.speculative["new"], result.speculative["old"]
+        metrics.update(spec_equal=new_spec["spec_equal"], acceptance_rate=new_spec["acceptance_rate"])
+        metrics["acceptance_ratio"] = _ratio(new_spec["acceptance_rate"], old_spec["acceptance_rate"])
     if result.quality is not None:
         metrics.update(result.quality.new_vs_old.to_dict())
     if result.speed is not None:
@@ -671,7 +703,7 @@ def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, resu
     # both were checked against their manifests in load_side: opened here without hashing them again
     engines = open_trusted(old.spec), open_trusted(new.spec)
     refusal = result.quality_refused  # two different models; the speed of those is still comparable
-    scored, replayed, same = None, None, None
+    scored, replayed, same, speculative = None, None, None, None
     if refusal is None and data is not None:
         tokens, refusal = _tokens(data, old, new, opts.max_tokens)
         if tokens is not None:
@@ -684,12 +716,20 @@ def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, resu
             console.info(f"scoring both engines on {tokens.numel():,} tokens of {data} in windows of {window}")
             scored = quality(*engines, tokens, window, opts.reference)
     if refusal is None and opts.golden is not None:
-        replayed, refusal = golden(*engines, opts.golden)
+        replayed, refusal, speculative = golden(*engines, opts.golden, opts.spec)
         if replayed is not None:
             same = sum(g["same"] for g in replayed) / len(replayed)
     timed = speed(*engines, opts.trace, opts) if opts.trace is not None else None
     # quality_refused: or the tokenizers differ
-    return replace(result, quality=scored, quality_refused=refusal, golden=replayed, golden_same=same, speed=timed)
+    return replace(
+        result,
+        quality=scored,
+        quality_refused=refusal,
+        golden=replayed,
+        golden_same=same,
+        speculative=speculative,
+        speed=timed,
+    )
 
 
 def run_diff(

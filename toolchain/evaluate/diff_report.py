@@ -12,6 +12,7 @@ from typing import Any
 
 from toolchain.evaluate.golden import readable
 from toolchain.evaluate.report import _md_code, write_report_files
+from toolchain.evaluate.report import spec_lines as eval_spec_lines
 
 OLD_COLOR, NEW_COLOR, REF_COLOR = "#8c8c8c", "#4a7bd0", "#d0574a"
 SERIES = {  # quality series -> (label, color)
@@ -112,6 +113,18 @@ def gate_cell(g: dict[str, Any]) -> str:
     return "-" if g["value"] is None else f"{g['value']:.6g}"
 
 
+def spec_lines(speculative: dict[str, Any]) -> list[str]:
+    """Both engines' speculative golden replays (engine_eval.spec_golden): NEW in full, OLD's acceptance beside it."""
+    new, old = speculative["new"], speculative["old"]
+    rate = old["acceptance_rate"]
+    ratio = None if rate is None or new["acceptance_rate"] is None or not rate else new["acceptance_rate"] / rate
+    return [
+        *eval_spec_lines(new, "NEW speculative"),
+        f"OLD speculative acceptance {'-' if rate is None else format(rate, '.3f')}, {100 * old['spec_equal']:.1f} % "
+        f"token-identical; acceptance NEW/OLD {'-' if ratio is None else format(ratio, '.3f')}",
+    ]
+
+
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         f"# Release diff: {verdict(result)}",
@@ -144,6 +157,10 @@ def markdown(result: dict[str, Any]) -> str:
                 f"  - OLD: {_md_code(g['old'])} {g['old_tokens']}",
                 f"  - NEW: {_md_code(g['new'])} {g['new_tokens']}",
             ]
+    sp = result.get("speculative")
+    if sp is not None:
+        lines += ["", "## Speculative decoding (golden prompts)", ""]
+        lines += [f"- {line.strip()}" for line in spec_lines(sp)]
     s = result["speed"]
     if s is not None:
         lines += [
@@ -260,6 +277,14 @@ def _table(title: str, header: list[str], rows: Sequence[tuple[Any, ...]], css: 
     return f"<h2>{html.escape(title)}</h2><table class='{css}'><tr>{head}</tr>{body}</table>"
 
 
+def spec_rows(speculative: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """The speculative replays as (side, text) rows for report.html."""
+    if speculative is None:
+        return []
+    new, *olds = spec_lines(speculative)
+    return [("NEW", line.strip()) for line in [new, *olds[:-1]]] + [("OLD", olds[-1].removeprefix("OLD "))]
+
+
 def page(result: dict[str, Any]) -> str:
     v = verdict(result)
     color = {"PASS": "#1d7a3a", "REGRESSION": "#b3261e", "QUALITY REFUSED": "#b3261e"}.get(v, "#555")
@@ -294,6 +319,7 @@ NEW <code>{html.escape(new["path"])}</code> ({new["kind"]}, engine manifest {new
             "num",
         )
     }
+{_table("Speculative decoding (golden prompts)", ["side", "what"], spec_rows(result.get("speculative")))}
 {_table("Gates", ["gate", "limit", "value", "result"], gates, "num")}
 {"<h2>Plots</h2>" if result["quality"] or result["speed"] else ""}
 {"".join(plots(result))}

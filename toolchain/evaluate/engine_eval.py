@@ -1,10 +1,11 @@
 """`trtbuild eval`: the quality module's metrics on an ENGINE's logits (through its backend) against the original
-Hugging Face model in float32; greedy golden-prompt replay; gates that turn a regression into exit code 3."""
+Hugging Face model in float32; greedy golden-prompt replay, and with a proposer the same replay speculating
+(`spec_golden`, issue 30); gates that turn a regression into exit code 3."""
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from toolchain.engine.api import (
 from toolchain.engine.contract import Batch
 from toolchain.engine.geometry import blocks_for
 from toolchain.errors import UserError
-from toolchain.evaluate.gates import EVAL, GateResult, check, check_limit
+from toolchain.evaluate.gates import EVAL, SPEC_NEEDS, GateResult, check, check_limit
 from toolchain.evaluate.golden import TokenBytes, compare, read_golden
 from toolchain.evaluate.report import write_reports
 from toolchain.evaluate.results import EvalResult
@@ -36,6 +37,7 @@ from toolchain.quality import QualityReport, collect, kld_histogram, summarize
 from toolchain.quantize.methods.registry import by_algo
 from toolchain.runtime.llm_engine import LLMEngine
 from toolchain.runtime.request import SamplingParams
+from toolchain.runtime.speculative import SpecConfig, SpecStats
 from toolchain.text import tokenize
 
 
@@ -72,18 +74,36 @@ class EngineSession:
 
     def greedy(self, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
         """Greedy continuations through the in-flight batching runtime, all prompts batched together."""
+        return self.speculative(prompts, new_tokens)[0]
+
+    def speculative(
+        self,
+        prompts: list[list[int]],
+        new_tokens: list[int],
+        speculation: SpecConfig | None = None,
+        draft: Engine | None = None,
+    ) -> tuple[list[list[int]], list[SpecStats], SpecStats]:
+        """Greedy continuations as `greedy`, the runtime speculating with `speculation` (and the `draft` engine);
+        each prompt's speculation counters and the whole run's."""
         for prompt, n in zip(prompts, new_tokens, strict=True):
             if len(prompt) + n > self.limits.max_seq_len:
                 raise UserError(f"prompt + {n} new tokens exceed the engine's max_seq_len {self.limits.max_seq_len}")
-        with LLMEngine(self.engine) as llm:
+        with LLMEngine(self.engine, speculation=speculation, draft_engine=draft) as llm:
             streams = [
                 llm.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, new_tokens, strict=True)
             ]
             done = [s.result() for s in streams]
+            total = llm.runtime.spec_stats
         for c in done:
             if c.error:
                 raise UserError(f"golden prompt {c.request_id}: the engine failed: {c.error}")
-        return [c.token_ids for c in done]
+        per_prompt = [s.request.spec if s.request is not None else SpecStats() for s in streams]
+        return [c.token_ids for c in done], per_prompt, total
+
+    def top2(self, context: list[int]) -> dict[str, Any]:
+        """The engine's two likeliest next tokens after `context` and their logit margin (a tie is margin ~0)."""
+        values, ids = torch.topk(self.all_logits(torch.tensor([context]))[0, -1], 2)
+        return {"target_top2": ids.tolist(), "margin": float(values[0] - values[1])}
 
 
 class Reference:
@@ -116,7 +136,81 @@ class Reference:
 
 
 def check_gates(gates: dict[str, float], metrics: dict[str, float | None]) -> list[GateResult]:
-    return check(gates, metrics, EVAL, missing="this evaluation did not compute (golden prompts?)")
+    """A metric this evaluation did not compute is an error, except acceptance: a proposer that drafted nothing
+    has no acceptance rate, and fails its gate."""
+    missing = "this evaluation did not compute (golden prompts?)"
+    return [
+        r
+        for gate, limit in gates.items()
+        for r in check(
+            {gate: limit}, metrics, EVAL, None if gate in EVAL and EVAL[gate].needs == SPEC_NEEDS else missing
+        )
+    ]
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """What `eval` and `diff` speculate with: the runtime's config and, for draft-target, the draft engine's dir."""
+
+    config: SpecConfig
+    draft: Path | None = None
+
+    def check(self) -> None:
+        """Before any work: the draft is an engine that is what its manifest says."""
+        if self.config.method == "draft":
+            if self.draft is None:
+                raise UserError("speculative method 'draft' needs the draft engine: pass --draft DIR")
+            trusted_spec(self.draft)
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "method": self.config.method,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
+        }
+        if self.config.method == "ngram":
+            out.update(prompt_lookup_min=self.config.prompt_lookup_min, prompt_lookup_max=self.config.prompt_lookup_max)
+        else:
+            out["draft"] = str(self.draft.resolve()) if self.draft else None
+        return out
+
+
+def spec_golden(
+    engine: Engine, prompts: list[list[int]], new_tokens: list[int], plain: list[list[int]], spec: SpecOptions
+) -> dict[str, Any]:
+    """The golden prompts again, speculating: `spec_equal` (the share token-identical to `plain`, the same engine's
+    greedy output without speculation), vLLM's acceptance counters (runtime/speculative.py) over the run and per
+    prompt, and where a prompt differs, its first differing token with the target's top-2 margin there (a margin
+    near 0 is a numerical tie; the gate does not excuse it)."""
+    session = EngineSession(engine)
+    draft = open_trusted(trusted_spec(spec.draft)) if spec.config.method == "draft" and spec.draft else None
+    try:
+        outs, per_prompt, total = session.speculative(prompts, new_tokens, spec.config, draft)
+    finally:
+        if draft is not None:
+            close_engine(draft)
+    records = []
+    for ids, want, got, stats in zip(prompts, plain, outs, per_prompt, strict=True):
+        diverge = next((k for k, (a, b) in enumerate(zip(want, got, strict=False)) if a != b), None)
+        if diverge is None and len(want) != len(got):
+            diverge = min(len(want), len(got))
+        record: dict[str, Any] = {"equal": diverge is None, "first_divergence": diverge, **stats.to_json()}
+        if diverge is not None:
+            record.update(
+                plain_token=want[diverge] if diverge < len(want) else None,
+                speculative_token=got[diverge] if diverge < len(got) else None,
+                **session.top2(ids + want[:diverge]),
+            )
+        records.append(record)
+    drafts = total.drafts
+    return {
+        **spec.to_json(),
+        "prompts": len(records),
+        "spec_equal": sum(r["equal"] for r in records) / len(records),
+        **total.to_json(),
+        "per_position_rate": [n / drafts for n in total.per_pos] if drafts else [],
+        "sampled_equal": None,  # the seeded sampled replay needs the sampling acceptance rule (runtime/rejection.py)
+        "per_prompt": records,
+    }
 
 
 def evaluate_engine(
@@ -127,6 +221,7 @@ def evaluate_engine(
     max_tokens: int,
     golden: Path | None,
     gates: dict[str, float],
+    spec: SpecOptions | None = None,
 ) -> EvalResult:
     session, reference = EngineSession(engine), Reference(reference_dir)
     vocab = reference.model.get_input_embeddings().num_embeddings
@@ -143,6 +238,7 @@ def evaluate_engine(
     stats = collect(reference.all_logits, session.all_logits, tokens, window)
     report: QualityReport = summarize(stats)
     golden_results: list[dict[str, Any]] = []
+    speculative: dict[str, Any] | None = None
     if golden is not None:
         tok = load_tokenizer(engine_dir)
         items, token_bytes = read_golden(golden), TokenBytes(tok)
@@ -151,8 +247,13 @@ def evaluate_engine(
         for item, ids, got in zip(items, prompts, served, strict=True):
             want = reference.greedy(ids, item.max_new_tokens)
             golden_results.append(compare(token_bytes, item.prompt, ids, got, want))
+        if spec is not None:
+            console.info(f"replaying {len(prompts)} golden prompts speculating ({spec.config.method})")
+            speculative = spec_golden(engine, prompts, [item.max_new_tokens for item in items], served, spec)
     golden_exact = sum(g["exact"] for g in golden_results) / len(golden_results) if golden_results else None
     metrics: dict[str, float | None] = {**report.to_dict(), "golden_exact": golden_exact}
+    if speculative is not None:
+        metrics.update(spec_equal=speculative["spec_equal"], acceptance_rate=speculative["acceptance_rate"])
     gate_results = check_gates(gates, metrics)
     return EvalResult(
         engine_dir=str(engine_dir.resolve()),
@@ -165,6 +266,7 @@ def evaluate_engine(
         golden=golden_results,
         gates=gate_results,
         passed=all(g.passed for g in gate_results),
+        speculative=speculative,
         kld_histogram=_histogram(stats["kld"].reshape(-1)),
         top1_by_position=stats["top1"].mean(0).tolist(),
     )
@@ -226,17 +328,26 @@ def run_eval(
     force: bool = False,
     record: StageRecord | None = None,
     engine_label: Path | None = None,
+    speculation: SpecOptions | None = None,
 ) -> EvalResult:
     """Evaluate, then write report.json / .md / .html and a manifest into `out_dir` (atomically).
-    `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run)."""
+    `engine_label`: where the engine will live, when it is still being written elsewhere (a recipe run); `speculation`:
+    replay the golden prompts speculating too (spec_equal, acceptance)."""
 
     spec = trusted_spec(engine_dir)  # an engine dir that is what its manifest says, before any work
     for path, what in ((data, "--data"), (golden, "--golden")):
         if path is not None and not path.is_file():
             raise UserError(f"{what} {path}: no such file")
     for gate, limit in (gates or {}).items():  # everything a user can get wrong, before any work
-        if check_limit(gate, limit, EVAL).needs == "--golden" and golden is None:
+        needs = check_limit(gate, limit, EVAL).needs
+        if needs.startswith("--golden") and golden is None:
             raise UserError(f"gate {gate} needs golden prompts: pass --golden PROMPTS.jsonl")
+        if needs == SPEC_NEEDS and speculation is None:
+            raise UserError(f"gate {gate} needs speculation on the golden prompts: pass --ngram or --draft DIR")
+    if speculation is not None:
+        if golden is None:
+            raise UserError("speculation is measured on the golden prompts: pass --golden PROMPTS.jsonl")
+        speculation.check()
     if golden is not None:
         tok = load_tokenizer(engine_dir)
         for item in read_golden(golden):
@@ -245,7 +356,7 @@ def run_eval(
     check_output_dir(out_dir, force, inputs=(engine_dir, reference_dir))
     engine = open_trusted(spec, backend)
     try:
-        result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {})
+        result = evaluate_engine(engine, engine_dir, reference_dir, data, max_tokens, golden, gates or {}, speculation)
     finally:
         close_engine(engine)  # a multi-rank engine's ranks (processes) stop here
     result = replace(result, built=built(spec), evaluated_with=evaluated_with(backend or spec.backend))
@@ -256,6 +367,7 @@ def run_eval(
         quality=result.quality.to_dict(),
         golden_exact=result.golden_exact,
         golden_prompts=result.golden_prompts,
+        speculative=_spec_summary(result.speculative),
         gates=[g.to_json() for g in result.gates],
         passed=result.passed,
         built=result.built,
@@ -270,6 +382,15 @@ def run_eval(
         for text in (data, golden):
             if text is not None:
                 record.add_inputs(text.parent, [text])
+        if speculation is not None and speculation.draft is not None and speculation.config.method == "draft":
+            record.add_inputs(speculation.draft, [speculation.draft / BUILD_CONFIG])
         write_reports(result.to_json(), tmp)
         manifest = record.write(tmp)
     return replace(result, report_dir=str(out_dir.resolve()), outputs=manifest["outputs"])
+
+
+def _spec_summary(speculative: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The manifest's record of the speculative replay: the run's figures, not each prompt's."""
+    if speculative is None:
+        return None
+    return {k: v for k, v in speculative.items() if k != "per_prompt"}

@@ -12,7 +12,8 @@ from typing import Any
 
 from toolchain.errors import UserError
 
-FRACTIONS = ("same_top1", "golden_same", "golden_exact")  # metrics in [0, 1]: a limit above 1 is a typo
+FRACTIONS = ("same_top1", "golden_same", "golden_exact", "spec_equal", "acceptance_rate")  # in [0, 1]: above is a typo
+SPEC_NEEDS = "--golden and a proposer (--ngram or --draft DIR)"  # the speculative replay of the golden prompts
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,9 @@ EVAL: dict[str, Gate] = {  # `trtbuild eval --gate`: the engine against the refe
     "top1_min": Gate("same_top1", "min", "--data"),
     "ppl_ratio_max": Gate("ppl_ratio", "max", "--data"),
     "golden_exact_min": Gate("golden_exact", "min", "--golden"),
+    # issue 30: the golden prompts replayed speculating (engine_eval.spec_golden)
+    "spec_equal_min": Gate("spec_equal", "min", SPEC_NEEDS),
+    "acceptance_rate_min": Gate("acceptance_rate", "min", SPEC_NEEDS),
 }
 DIFF: dict[str, Gate] = {  # `trtbuild diff --gate`: NEW against OLD
     "kld_vs_old_max": Gate("kld_mean", "max", "--data"),
@@ -40,6 +44,11 @@ DIFF: dict[str, Gate] = {  # `trtbuild diff --gate`: NEW against OLD
     "throughput_ratio_min": Gate("throughput_ratio", "min", "--trace"),
     "ttft_p90_ratio_max": Gate("ttft_p90_ratio", "max", "--trace"),
     "tpot_p90_ratio_max": Gate("tpot_p90_ratio", "max", "--trace"),
+    # issue 30: the golden prompts replayed speculating, each engine's own greedy output the reference. Named apart
+    # from eval's spec_equal_min / acceptance_rate_min: a recipe's eval.gates of the same name are the eval stage's
+    "new_spec_equal_min": Gate("spec_equal", "min", SPEC_NEEDS),
+    "new_acceptance_rate_min": Gate("acceptance_rate", "min", SPEC_NEEDS),
+    "acceptance_ratio_vs_old_min": Gate("acceptance_ratio", "min", SPEC_NEEDS),
 }
 
 

@@ -39,10 +39,66 @@ def summary_lines(s: dict[str, Any]) -> list[str]:
     if s.get("golden_exact") is not None:
         count = s.get("golden_prompts") or len(s.get("golden", []))
         lines.append(f"golden exact       {100 * s['golden_exact']:.1f} % of {count} prompts")
+    if s.get("speculative"):
+        lines += spec_lines(s["speculative"])
     lines += [
-        f"gate {g['gate']:<17} {g['value']:.6g} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}"
-        for g in s["gates"]
+        f"gate {g['gate']:<17} {_value(g)} vs {g['limit']:g}: {'pass' if g['pass'] else 'FAIL'}" for g in s["gates"]
     ]
+    return lines
+
+
+def _value(g: dict[str, Any]) -> str:
+    return "-" if g["value"] is None else format(g["value"], ".6g")  # None: not computed (nothing drafted)
+
+
+def spec_how(sp: dict[str, Any]) -> str:
+    """How a speculative replay speculated, in words."""
+    k = sp["num_speculative_tokens"]
+    if sp["method"] == "ngram":
+        return f"n-gram [{sp['prompt_lookup_min']}, {sp['prompt_lookup_max']}], k {k}"
+    return f"draft {sp.get('draft')}, k {k}"
+
+
+def spec_lines(sp: dict[str, Any], label: str = "speculative") -> list[str]:
+    """A speculative golden replay (engine_eval.spec_golden) in a few terminal lines."""
+    lines = [
+        f"{label} ({spec_how(sp)}): {100 * sp['spec_equal']:.1f} % of {sp['prompts']} golden prompts "
+        "token-identical to plain greedy"
+    ]
+    if sp["acceptance_rate"] is None:
+        lines.append("  nothing drafted: no acceptance rate")
+    else:
+        per = " ".join(f"{r:.2f}" for r in sp["per_position_rate"])
+        lines.append(
+            f"  acceptance {sp['acceptance_rate']:.3f} ({sp['accepted_tokens']} of {sp['draft_tokens']} drafted), "
+            f"mean accepted length {sp['mean_accepted_length']:.3f}, per position {per}"
+        )
+    for i, r in enumerate(sp.get("per_prompt", [])):
+        if not r["equal"]:
+            lines.append(
+                f"  prompt {i} differs at token {r['first_divergence']}: plain {r['plain_token']} vs speculative "
+                f"{r['speculative_token']} (target top-2 {r['target_top2']}, margin {r['margin']:.3g})"
+            )
+    return lines
+
+
+def spec_markdown(sp: dict[str, Any]) -> list[str]:
+    """The report.md section of a speculative golden replay."""
+    lines = ["", "## Speculative decoding", "", f"Golden prompts replayed greedily speculating ({spec_how(sp)}).", ""]
+    lines += ["| metric | value |", "|---|---:|"]
+    lines.append(f"| token-identical to plain greedy | {100 * sp['spec_equal']:.1f} % of {sp['prompts']} |")
+    rate, mal = sp["acceptance_rate"], sp["mean_accepted_length"]
+    lines.append(f"| acceptance rate | {'-' if rate is None else format(rate, '.4f')} |")
+    lines.append(f"| mean accepted length | {'-' if mal is None else format(mal, '.4f')} |")
+    lines.append(f"| drafts / drafted / accepted | {sp['drafts']} / {sp['draft_tokens']} / {sp['accepted_tokens']} |")
+    lines.append(f"| per position | {' '.join(format(r, '.3f') for r in sp['per_position_rate']) or '-'} |")
+    differ = [(i, r) for i, r in enumerate(sp.get("per_prompt", [])) if not r["equal"]]
+    for i, r in differ:
+        lines.append(
+            f"- prompt {i}: first difference at token {r['first_divergence']}, plain {r['plain_token']} vs "
+            f"speculative {r['speculative_token']}; the target's top-2 there {r['target_top2']}, margin "
+            f"{r['margin']:.3g}"
+        )
     return lines
 
 
@@ -124,9 +180,11 @@ def markdown(result: dict[str, Any]) -> str:
     if result["gates"]:
         lines += ["", "| gate | limit | value | result |", "|---|---:|---:|---|"]
         lines += [
-            f"| {g['gate']} | {g['limit']:g} | {g['value']:.6g} | {'pass' if g['pass'] else '**FAIL**'} |"
+            f"| {g['gate']} | {g['limit']:g} | {_value(g)} | {'pass' if g['pass'] else '**FAIL**'} |"
             for g in result["gates"]
         ]
+    if result.get("speculative"):
+        lines += spec_markdown(result["speculative"])
     diverged = [g for g in result["golden"] if not g["exact"]]
     if diverged:
         lines += ["", "## Golden prompts that diverged", ""]
@@ -200,7 +258,7 @@ def page(result: dict[str, Any]) -> str:
     color = {"PASS": "#1d7a3a", "REGRESSION": "#b3261e"}.get(verdict, "#555")
     rows = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(v)}</td></tr>" for k, v in _metric_rows(q, result))
     gates = "".join(
-        f"<tr><td>{g['gate']}</td><td>{g['limit']:g}</td><td>{g['value']:.6g}</td>"
+        f"<tr><td>{g['gate']}</td><td>{g['limit']:g}</td><td>{_value(g)}</td>"
         f"<td style='color:{'#1d7a3a' if g['pass'] else '#b3261e'}'>{'pass' if g['pass'] else 'FAIL'}</td></tr>"
         for g in result["gates"]
     )
@@ -251,6 +309,11 @@ def _metric_rows(q: QualityReport, result: dict[str, Any]) -> list[tuple[str, st
     ]
     if result["golden_exact"] is not None:
         rows.append(("golden exact match", f"{100 * result['golden_exact']:.1f} %"))
+    sp = result.get("speculative")
+    if sp:
+        rate = sp["acceptance_rate"]
+        rows.append((f"speculative ({spec_how(sp)}): token-identical", f"{100 * sp['spec_equal']:.1f} %"))
+        rows.append(("speculative acceptance rate", "-" if rate is None else f"{rate:.4f}"))
     return rows
 
 

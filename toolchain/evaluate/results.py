@@ -31,6 +31,7 @@ class EvalResult:
     evaluated_with: dict[str, Any] | None = None  # engine_eval.evaluated_with: where it was scored
     report_dir: str | None = None  # set once the report is written
     outputs: list[dict[str, Any]] | None = None  # the report's manifest entries
+    speculative: dict[str, Any] | None = None  # engine_eval.spec_golden's record; None without --ngram/--draft
 
     def to_json(self, plots: bool = True) -> dict[str, Any]:
         """report.json's content (with `report_dir` and `outputs` once written); without the plots for `--json`."""
@@ -49,6 +50,7 @@ class EvalResult:
         if plots:
             out.update(kld_histogram=self.kld_histogram, top1_by_position=self.top1_by_position)
         optional: dict[str, Any] = {"built": self.built, "evaluated_with": self.evaluated_with}
+        optional["speculative"] = self.speculative
         optional.update(report_dir=self.report_dir, outputs=self.outputs)
         out.update((k, v) for k, v in optional.items() if v is not None)
         return out
