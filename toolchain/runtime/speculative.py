@@ -121,10 +121,11 @@ class SpecStats:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether the scheduler reserves draft slots for `request`. FRAME: plain greedy requests only (their tokens are
-    the engine's argmax per row); slice C lifts this for host rows (sampling, penalties, logprobs, grammars) with
-    the acceptance rule of runtime/rejection.py."""
-    return not request.params.needs_host_logits
+    """Whether the scheduler reserves draft slots for `request`: every request but a constrained one. Plain greedy
+    requests verify on the engine's argmax per row; host rows (sampling, penalties, logit_bias, logprobs) through
+    the acceptance rule of runtime/rejection.py, each position processed as a plain step would. A grammar request
+    keeps k = 0 in issue 30: its masks for the drafted positions are not computed yet."""
+    return request.params.grammar is None
 
 
 def make_proposer(config: SpecConfig, target: Engine, draft: Engine | None = None) -> Proposer:
