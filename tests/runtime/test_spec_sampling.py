@@ -18,7 +18,7 @@ import pytest
 import torch
 from chi2 import chi2_pvalue
 from conftest import save_random_llama
-from fakes import VOCAB, FakeEngine, fake_limits, next_token
+from fakes import VOCAB, FakeEngine, Spy, fake_limits, next_token
 from spec_helpers import ScriptedProposer, check_blocks
 
 from tests.runtime.logprob_bound import tolerance
@@ -180,6 +180,24 @@ def test_point_mass_drafts_leave_seeded_output_as_without_speculation() -> None:
     assert 0 < stats.accepted < stats.draft_tokens  # accepted and rejected positions both ran
     assert all(r.spec.drafts > 0 for r, _ in spec)  # every kind of request speculated
     assert rt.steps < sum(len(r.generated) for r, _ in plain) // 8  # fewer engine calls than plain decoding needs
+
+
+def test_plain_greedy_drafts_stay_on_the_device_beside_sampled_ones() -> None:
+    """Speculating plain greedy requests verify on the engine's argmax: no row of theirs comes to the host, while a
+    sampled request beside them brings its k + 1 verification rows."""
+    spy = Spy(FakeEngine(logits_model=peaked))
+    rt = Runtime(spy, speculation=SpecConfig("ngram", num_speculative_tokens=3))  # type: ignore[arg-type]
+    rt.proposer = ScriptedProposer(favourite)
+    greedy = rt.add_request([4, 5, 6], SamplingParams(max_new_tokens=9))
+    alone = rt.add_request([7, 8, 9], SamplingParams(max_new_tokens=9))
+    rt.run()
+    assert greedy.spec.accepted > 0 and all(rows == [] for rows in spy.calls)
+    sampled = rt.add_request([4, 5, 6], SamplingParams(max_new_tokens=9, temperature=1.0, seed=0))
+    rt.add_request([7, 8, 9], SamplingParams(max_new_tokens=9))
+    spy.calls.clear()
+    rt.run()
+    assert sampled.spec.drafts > 0 and max(len(rows) for rows in spy.calls) == 4  # k + 1 rows, the greedy one's none
+    assert alone.generated == [favourite([7, 8, 9, *alone.generated[:i]]) for i in range(9)]
 
 
 def test_grammar_requests_keep_k_zero() -> None:
