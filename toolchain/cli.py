@@ -660,6 +660,14 @@ def serve(
         bool,
         typer.Option("--log-requests", help="Put prompt and output text in the request log (off: ids and counts)."),
     ] = False,
+    tool_call_parser: Annotated[
+        str | None,
+        typer.Option(
+            "--tool-call-parser",
+            help="How tool calls are read from the model's text: hermes (Qwen3, Hermes) or llama3_json (Llama 3.x); "
+            "default: detected from the chat template, printed at start-up.",
+        ),
+    ] = None,
 ) -> None:
     """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), vLLM's
     /tokenize, /detokenize and /tokenizer_info, /version, health and readiness probes, Prometheus metrics under vLLM's
@@ -669,7 +677,15 @@ def serve(
 
     with _handled():
         options = ServeOptions(
-            host, port, api_keys, max_queue, request_timeout, drain_timeout, served_model_name, log_requests
+            host,
+            port,
+            api_keys,
+            max_queue,
+            request_timeout,
+            drain_timeout,
+            served_model_name,
+            log_requests,
+            tool_call_parser=tool_call_parser,
         )
         run_server(engine_dir, options)
 

@@ -75,6 +75,23 @@ from toolchain.serve.protocol import (
 log = logging.getLogger("trtbuild.serve")
 _Body = TypeVar("_Body", bound=BaseModel)
 ANONYMOUS = "anonymous"  # the key id of requests to a server without --api-keys
+# apply_chat_template's own arguments: a request's chat_template_kwargs may not override them
+RESERVED_TEMPLATE_KWARGS = {
+    "conversation",
+    "tools",
+    "documents",
+    "chat_template",
+    "add_generation_prompt",
+    "continue_final_message",
+    "tokenize",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+}
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,7 @@ class ServeOptions:
     served_model_name: str | None = None
     log_requests: bool = False
     heartbeat_timeout: float = 60.0  # /health fails when a step has run longer than this
+    tool_call_parser: str | None = None  # --tool-call-parser; None: detected from the chat template (serve/tools.py)
 
 
 @dataclass
@@ -133,6 +151,8 @@ class ServerState:
         self._engine_closed = False
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
+        self.tool_parser, self.tool_parser_note = tools.choose_parser(options.tool_call_parser, tokenizer)
+        self.stop_ids += tools.stop_tokens(self.tool_parser, tokenizer)
 
     def warm_up(self) -> None:
         """One real token through the engine before /ready says yes."""
@@ -476,11 +496,13 @@ async def _parse(state: ServerState, request: Request, model: type[_Body]) -> _B
         raise _reject(state, "bad_request", ApiError(400, message, param=where)) from e
 
 
-def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-    """Each prompt's token ids (chat messages make one prompt)."""
+def _prompt_ids(
+    state: ServerState, body: CompletionRequest | ChatCompletionRequest, tool_list: list[dict[str, Any]] | None = None
+) -> list[list[int]]:
+    """Each prompt's token ids (chat messages, with `tool_list` rendered by the template, make one prompt)."""
     tok = state.tokenizer
     if isinstance(body, ChatCompletionRequest):
-        return [_chat_ids(state, body.messages, True, False)]
+        return [_chat_ids(state, body.messages, True, False, tool_list, body.chat_template_kwargs)]
     out = []
     for prompt in body.prompts():
         if isinstance(prompt, str):
@@ -493,17 +515,44 @@ def _prompt_ids(state: ServerState, body: CompletionRequest | ChatCompletionRequ
 
 
 def _chat_ids(
-    state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool, add_special_tokens: bool
+    state: ServerState,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    add_special_tokens: bool,
+    tool_list: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    """The messages through the tokenizer's chat template (whose text carries the BOS where the model wants one)."""
+    """The messages (and `tool_list`, the request's tools; `template_kwargs`, vLLM's chat_template_kwargs such as
+    Qwen3's enable_thinking) through the tokenizer's chat template (whose text carries the BOS where the model
+    wants one)."""
     tok = state.tokenizer
     if not messages:
         raise ApiError(400, "messages is empty", param="messages")
     if tok is None or not getattr(tok, "chat_template", None):
         raise ApiError(400, "this engine's tokenizer has no chat template; use /v1/completions", param="messages")
-    turns = [{"role": m.role, "content": m.text()} for m in messages]
+    turns = tools.template_messages(messages)
+    extra = dict(template_kwargs or {})
+    reserved = sorted(set(extra) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise ApiError(
+            400,
+            f"chat_template_kwargs: {reserved[0]!r} is set by the server (use the request's own field)",
+            param="chat_template_kwargs",
+        )
     try:
-        text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text = tok.apply_chat_template(turns, add_generation_prompt=add_generation_prompt, tokenize=False, **extra)
+        if tool_list:
+            bare = text
+            text = tok.apply_chat_template(
+                turns, tools=tool_list, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+            )
+            if text == bare:
+                raise ApiError(
+                    400,
+                    "tools: this engine's chat template ignores tools (it renders the same prompt with and without "
+                    "them); send tool_choice none, or serve a template that renders tools",
+                    param="tools",
+                )
     except (TemplateError, TypeError, ValueError) as e:  # e.g. "roles must alternate": the messages' fault
         raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from e
     return [int(t) for t in tok.encode(str(text), add_special_tokens=add_special_tokens)]
@@ -520,10 +569,18 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         _check_model(state, body.model)
         body.refuse_unsupported()
         shapes.check_logprobs(body)
-        if isinstance(body, ChatCompletionRequest):
-            tools.check_tools(body)
-        prompts = _prompt_ids(state, body)
+        mode = tools.check_tools(body, state.tool_parser) if isinstance(body, ChatCompletionRequest) else None
+        prompts = _prompt_ids(state, body, tools.template_tools(body, mode))
         grammar = structured.grammar_spec(body)
+        if grammar is not None and state.tokenizer is None:
+            raise ApiError(400, f"{grammar.kind}: structured output needs the engine's tokenizer (it has none)")
+        if grammar is not None and (body.ignore_eos or body.min_tokens):
+            # a complete grammar allows only the end token: ignore_eos would repeat it to max_tokens, min_tokens
+            # would mask it and leave no token at all
+            name = "ignore_eos" if body.ignore_eos else "min_tokens"
+            raise ApiError(
+                400, f"{name} cannot be combined with structured output (the grammar decides the end)", param=name
+            )
         every_params = []
         for i, ids in enumerate(prompts):
             try:
@@ -773,6 +830,9 @@ async def _respond(
     use = usage(len(a.prompt_ids), a.final.generated_tokens)
     out = completion_body(a.id, body.model, "", None, use, chat, chunk=False)
     out["choices"] = [_final_choice(state, body, a, chat, 0)]
+    mode = _tool_mode(state, body)
+    if mode is not None:
+        tools.apply(out["choices"][0], mode, _answer_text(state, a, mode), a.finish_reason.openai)
     return JSONResponse(out)
 
 
@@ -792,6 +852,18 @@ def _final_choice(
     if (prompt_lps := shapes.prompt_logprobs(state.tokenizer, body, a.prompt_logprobs)) is not None:
         choice["prompt_logprobs"] = prompt_lps
     return choice
+
+
+def _answer_text(state: ServerState, a: _Admitted, mode: tools.ToolMode) -> str:
+    """The answer as the tool-call parser reads it: gpt-oss's with its special tokens (harmony's markers)."""
+    if tools.ToolStream(mode).needs_special_tokens and a.stream.request is not None:
+        return str(state.tokenizer.decode(a.stream.request.generated, skip_special_tokens=False))
+    return "".join(a.text)
+
+
+def _tool_mode(state: ServerState, body: CompletionRequest | ChatCompletionRequest) -> tools.ToolMode | None:
+    """How a chat answer is read for tool calls (checked at admission already), or None."""
+    return tools.check_tools(body, state.tool_parser) if isinstance(body, ChatCompletionRequest) else None
 
 
 def _finish_error(state: ServerState, final: TokenEvent) -> ApiError | None:
@@ -821,6 +893,8 @@ async def _sse(
 ) -> AsyncIterator[str]:
     model = body.model
     sent_chars = 0  # text streamed so far (completions' text_offset)
+    mode = _tool_mode(state, body)
+    calls = tools.ToolStream(mode) if mode is not None else None  # the answer read for tool calls
     try:
         if chat:
             first = completion_body(a.id, model, "", None, None, chat, chunk=True)
@@ -836,7 +910,15 @@ async def _sse(
             chunk_lps = None
             if lps or prompt_lps is not None:
                 chunk_lps = shapes.response_logprobs(state.tokenizer, body, lps, prompt_lps, sent_chars, a.prompt_ids)
-            if text or chunk_lps is not None:
+            if calls is not None:  # tool calls: content while it is content, then each call whole
+                deltas = calls.feed(event.text)
+                if event.finished:
+                    deltas += calls.finish(_answer_text(state, a, calls.mode) if calls.needs_special_tokens else None)
+                for delta in deltas:
+                    chunk = completion_body(a.id, model, "", None, None, chat, chunk=True)
+                    chunk["choices"][0]["delta"] = delta
+                    yield _sse_data(chunk)
+            elif text or chunk_lps is not None:
                 chunk = completion_body(a.id, model, text, None, None, chat, chunk=True)
                 chunk["choices"][0]["logprobs"] = chunk_lps
                 yield _sse_data(chunk)
@@ -847,7 +929,10 @@ async def _sse(
             if error is not None:  # headers are sent: the error travels as an event, as OpenAI's does
                 yield _sse_data(error.body())
             else:
-                yield _sse_data(completion_body(a.id, model, "", a.finish_reason.openai, None, chat, chunk=True))
+                finish = a.finish_reason.openai
+                if calls is not None and calls.called and finish == "stop":
+                    finish = "tool_calls"
+                yield _sse_data(completion_body(a.id, model, "", finish, None, chat, chunk=True))
             if include_usage:
                 tail = completion_body(
                     a.id, model, "", None, usage(len(a.prompt_ids), event.generated_tokens), chat, chunk=True

@@ -43,10 +43,6 @@ ACCEPTED_UNUSED = (
     "metadata",
     "store",
     "service_tier",
-    "response_format",
-    "tools",  # chat only, as the next two
-    "tool_choice",
-    "parallel_tool_calls",
 )
 
 

@@ -39,7 +39,7 @@ from toolchain import console
 from toolchain.engine.api import load_tokenizer, open_engine
 from toolchain.errors import UserError
 from toolchain.parallel.launch import under_torchrun
-from toolchain.serve import EXIT_ENGINE_FAILED
+from toolchain.serve import EXIT_ENGINE_FAILED, tools
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
 from toolchain.serve.auth import read_keys
 
@@ -107,6 +107,11 @@ def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
     keys = read_keys(options.api_keys) if options.api_keys is not None else None
     if options.max_queue < 1 or options.request_timeout <= 0 or options.drain_timeout < 0:
         raise UserError("--max-queue >= 1, --request-timeout > 0 and --drain-timeout >= 0")
+    if options.tool_call_parser is not None:
+        try:
+            tools.choose_parser(options.tool_call_parser, None)
+        except ValueError as e:
+            raise UserError(str(e)) from None
     engine = open_engine(engine_dir)  # refuses an engine that is not what its manifest says (exit 4)
     try:
         tokenizer: Any = load_tokenizer(engine_dir)
@@ -218,4 +223,5 @@ def serve(engine_dir: Path, options: ServeOptions) -> None:
         f"{(spec.manifest_sha256 or '?')[:12]}) on http://{options.host}:{options.port} "
         f"({'API keys required' if state.keyring else 'no API keys: loopback only'})"
     )
+    console.info(state.tool_parser_note)
     run(DrainingServer(config, state))
