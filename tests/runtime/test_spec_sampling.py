@@ -5,14 +5,17 @@ distribution (χ² over 3 000 seeded requests on a bigram fake engine, top-k 4 o
 (n-gram's kind) a seeded request's output equals the same request without speculation, token for token, also with
 presence / frequency / repetition penalties, logit_bias, min_tokens and logprobs; (3) the logprobs of drafted
 positions on a real engine (ORT, random tiny Llama) equal the non-speculative run's within the float32 bound;
-(4) grammar requests keep k = 0."""
+(4) grammar requests speculate: refused drafts are cut before the engine call, each drafted position gets its
+own mask from the worker's fill, seeded output equals the output without speculation."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
+import llguidance.numpy
 import numpy as np
 import pytest
 import torch
@@ -23,13 +26,22 @@ from spec_helpers import ScriptedProposer, check_blocks
 
 from tests.runtime.logprob_bound import tolerance
 from toolchain.checkpoint.convert import convert
+from toolchain.checkpoint.tiny import byte_level_tokenizer
 from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.runtime import rejection
 from toolchain.runtime.loop import Runtime
-from toolchain.runtime.request import GrammarSpec, Request, SamplingParams, Status, TokenEvent, TokenLogprob
+from toolchain.runtime.request import (
+    FinishReason,
+    GrammarSpec,
+    Request,
+    SamplingParams,
+    Status,
+    TokenEvent,
+    TokenLogprob,
+)
 from toolchain.runtime.scheduler import Scheduled
-from toolchain.runtime.speculative import Draft, SpecConfig, may_speculate
+from toolchain.runtime.speculative import Draft, SpecConfig
 
 # -- (1) a draft sampling from q: the target's distribution, through the runtime ----------------------------------
 V = 6
@@ -200,11 +212,80 @@ def test_plain_greedy_drafts_stay_on_the_device_beside_sampled_ones() -> None:
     assert alone.generated == [favourite([7, 8, 9, *alone.generated[:i]]) for i in range(9)]
 
 
-def test_grammar_requests_keep_k_zero() -> None:
-    constrained = Request([1, 2], SamplingParams(temperature=1.0, grammar=GrammarSpec("regex", "[ab]+")))
-    assert not may_speculate(constrained)
-    assert may_speculate(Request([1, 2], SamplingParams(temperature=1.0, logprobs=3, presence_penalty=0.5)))
-    assert may_speculate(Request([1, 2], SamplingParams()))
+# -- (4) grammars: masks per drafted position -------------------------------------------------------------------
+EOS = 2
+CHARS = "abcdefghijklmnopqrstuvwxyz{|}~"  # the drafts' alphabet: the last 4 are outside the grammar's [a-z]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return byte_level_tokenizer()
+
+
+def test_grammar_requests_speculate_inside_their_grammar(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constrained requests (regex [a-z]{3,8}) with drafts over [a-z{|}~]: the drafts the grammar refuses are cut
+    before the engine call (no refused token is ever fed), every output matches, the masks of the drafted positions
+    come from the worker's fill (none computed alone on the step's thread), and a seeded constrained request's
+    output equals its output without speculation token for token (each position's mask is the right one)."""
+    ids = [tokenizer.convert_tokens_to_ids(c) for c in CHARS]
+    letters, refused = set(ids[:26]), set(ids[26:])
+
+    def likely(context: Sequence[int] | np.ndarray) -> int:
+        return ids[next_token(context) % len(ids)]
+
+    def model(context: np.ndarray) -> np.ndarray:
+        row = peaked(context)
+        row[likely(context)] += 6.0
+        row[EOS] += 1.0 if len(context) > 6 else 0.0
+        return row
+
+    fed: list[list[int]] = []
+
+    class Recording(FakeEngine):
+        def forward(self, batch: Any, kv_cache: torch.Tensor) -> np.ndarray:
+            fed.append(batch.input_ids.tolist())
+            return super().forward(batch, kv_cache)
+
+    alone: list[int] = []
+    fill_alone = llguidance.numpy.fill_next_token_bitmask
+
+    def counting(*args: Any) -> None:
+        alone.append(1)
+        fill_alone(*args)
+
+    spec = GrammarSpec("regex", "[a-z]{3,8}")
+    jobs = [
+        (
+            [1, 60 + i],
+            SamplingParams(12, 1.0, seed=i, stop_token_ids=(EOS,), grammar=spec, presence_penalty=0.3 * (i % 2)),
+        )
+        for i in range(8)
+    ]
+    plain = run(Runtime(FakeEngine(logits_model=model), tokenizer=tokenizer), jobs)
+    monkeypatch.setattr(llguidance.numpy, "fill_next_token_bitmask", counting)
+    rt = Runtime(
+        Recording(logits_model=model), tokenizer=tokenizer, speculation=SpecConfig("ngram", num_speculative_tokens=4)
+    )
+    rt.proposer = proposer = ScriptedProposer(likely, lambda step, j: (step + j) % 5 == 0)
+    proposed: list[int] = []
+    propose = proposer.propose
+
+    def keeping(scheduled: Sequence[Scheduled]) -> list[Draft | None]:
+        drafts = propose(scheduled)
+        proposed.extend(t for d in drafts if d is not None for t in d.tokens)
+        return drafts
+
+    proposer.propose = keeping  # type: ignore[method-assign]
+    speculated = run(rt, jobs)
+    for (a, _), (b, _) in zip(plain, speculated, strict=True):
+        assert b.finish_reason is FinishReason.STOP_TOKEN and b.generated[-1] == EOS, b.error
+        assert re.fullmatch("[a-z]{3,8}", tokenizer.decode(b.generated[:-1]))
+        assert b.generated == a.generated
+    assert refused & set(proposed)  # the proposer did draft refused tokens...
+    assert not refused & {t for call in fed for t in call}  # ...and none reached the engine
+    assert rt.spec_stats.accepted > 0 and all(b.spec.drafts > 0 for b, _ in speculated)
+    assert letters & set(proposed)
+    assert alone == []
 
 
 # -- (3) logprobs of drafted positions on a real engine -------------------------------------------------------------

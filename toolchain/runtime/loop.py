@@ -254,6 +254,7 @@ class Runtime:
         )
         sampled: list[int] = []  # output rows whose logits come to the host: only for requests that need them
         constrained: list[Request] = []
+        constrained_drafts: list[list[int]] = []
         for i, s in enumerate(scheduled):
             if every[i] or (drafts[i] is not None and s.request.params.needs_host_logits):
                 sampled.extend(range(last[i] - counts[i], last[i]))
@@ -261,8 +262,10 @@ class Runtime:
                 sampled.append(last[i] - 1)
             if s.request.params.grammar is not None and s.context_len + len(s.tokens) >= len(s.request.tokens):
                 constrained.append(s.request)
+                drafted = drafts[i]
+                constrained_drafts.append(drafted.tokens if drafted is not None else [])
         if constrained:
-            self.guide.begin(constrained)  # masks computed while the engine runs
+            self.guide.begin(constrained, constrained_drafts)  # masks computed while the engine runs
         step = self.engine.forward_tokens(batch, self.pool, sampled)
         if constrained:
             self.guide.wait()
@@ -317,6 +320,12 @@ class Runtime:
                 continue
             if len(d.tokens) > s.spec:  # a proposer may not use more slots than the scheduler reserved
                 raise RuntimeError(f"the proposer drafted {len(d.tokens)} tokens for {s.spec} slots")
+            if s.request.params.grammar is not None:  # drafts the grammar refuses could only be rejected: cut
+                n = self.guide.valid_prefix(s.request, d.tokens)
+                if n == 0:
+                    drafts[k] = None
+                    continue
+                d.tokens, d.probs = d.tokens[:n], (d.probs[:n] if d.probs is not None else None)
             s.tokens = s.tokens + d.tokens
         return drafts
 

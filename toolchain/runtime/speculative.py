@@ -121,11 +121,11 @@ class SpecStats:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether the scheduler reserves draft slots for `request`: every request but a constrained one. Plain greedy
-    requests verify on the engine's argmax per row; host rows (sampling, penalties, logit_bias, logprobs) through
-    the acceptance rule of runtime/rejection.py, each position processed as a plain step would. A grammar request
-    keeps k = 0 in issue 30: its masks for the drafted positions are not computed yet."""
-    return request.params.grammar is None
+    """Whether the scheduler reserves draft slots for `request`: every request does. Plain greedy requests verify on
+    the engine's argmax per row; host rows (sampling, penalties, logit_bias, logprobs, grammars) through the
+    acceptance rule of runtime/rejection.py, each position processed as a plain step would (a grammar's masks for
+    the drafted positions: runtime/guided.py)."""
+    return True
 
 
 def make_proposer(config: SpecConfig, target: Engine, draft: Engine | None = None) -> Proposer:
