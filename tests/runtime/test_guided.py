@@ -213,3 +213,30 @@ def test_a_sentencepiece_tokenizer_drives_a_grammar(stories: Path) -> None:
     guide.mask(request, scores)
     assert torch.nonzero(scores == 0).flatten().tolist() == [sp.eos_token_id]
     guide.close()
+
+
+def test_a_tokenizer_llguidance_refuses_is_refused_before_admission(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built once (the server's warm-up calls prepare()), a refusal remembered rather than retried per request, and
+    the server's check turns it into a 400 naming the constraint's field instead of a failed request."""
+    import llguidance.hf
+
+    from toolchain.serve.protocol import ApiError, CompletionRequest
+    from toolchain.serve.structured import grammar_spec
+
+    calls = []
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        raise ValueError("Only fast tokenizers are supported")
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", refuse)
+    guide = Guide(tokenizer, 320)
+    assert "cannot drive a grammar" in (guide.prepare() or "")
+    assert "fast tokenizers" in (guide.check(GrammarSpec("regex", "a+")) or "")
+    body = CompletionRequest(model="m", prompt="x", guided_regex="a+")
+    with pytest.raises(ApiError) as refused:
+        grammar_spec(body, guide)
+    assert refused.value.status == 400 and refused.value.param == "guided_regex"
+    assert len(calls) == 1  # not retried

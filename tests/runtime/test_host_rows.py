@@ -41,9 +41,9 @@ def test_plain_greedy_rows_never_leave_the_device(engine: Any) -> None:
 
 
 def test_a_host_row_with_neutral_params_picks_the_device_argmax(engine: Any) -> None:
-    """min_p = 0 < x changes nothing for greedy, but makes the row a host row: same tokens as the plain run."""
+    """logprobs change nothing for greedy, but make the row a host row: same tokens as the plain run."""
     plain, hosted = Runtime(engine, num_blocks=64), Runtime(Spy(engine), num_blocks=64)  # type: ignore[arg-type]
-    neutral = SamplingParams(max_new_tokens=6, min_p=1e-9)
+    neutral = SamplingParams(max_new_tokens=6, logprobs=0)
     assert neutral.needs_host_logits and not SamplingParams(max_new_tokens=6).needs_host_logits
     a = [plain.add_request(p, SamplingParams(max_new_tokens=6)) for p in PROMPTS]
     b = [hosted.add_request(p, neutral) for p in PROMPTS]

@@ -206,3 +206,15 @@ def test_every_parameter_named_here_is_honoured_not_merely_accepted() -> None:
     }
     assert not honoured & set(ACCEPTED_UNUSED)
     assert honoured <= set(CompletionRequest.model_fields) and "suffix" in CompletionRequest.model_fields
+
+
+def test_ignore_eos_keeps_the_chat_formats_own_end_token() -> None:
+    """gpt-oss's <|call|> ends an answer beside EOS (serve/tools.py): ignore_eos drops EOS only."""
+    from toolchain.serve.params import sampling_params
+    from toolchain.serve.protocol import CompletionRequest
+
+    body = CompletionRequest(model=MODEL, prompt=[5, 6], max_tokens=4, ignore_eos=True)
+    params = sampling_params(body, [5, 6], 64, (2,), None, 320, format_stops=(300,))
+    assert params.stop_token_ids == (300,)
+    plain = sampling_params(body.model_copy(update={"ignore_eos": False}), [5, 6], 64, (2,), None, 320, (300,))
+    assert plain.stop_token_ids == (2, 300)

@@ -471,6 +471,34 @@ BAD_REQUESTS: list[tuple[str, str, Any, str | None, str]] = [  # what, path, bod
     ("tokenize other model", "/tokenize", {"model": "gpt-9", "prompt": "x"}, "model", "gpt-9"),
     ("detokenize outside vocab", "/detokenize", {"tokens": [5, 10**6]}, "tokens", "vocabulary"),
     ("detokenize not ids", "/detokenize", {"tokens": "hello"}, "tokens", ""),
+    (
+        "unknown stream option",
+        "/v1/completions",
+        {**greedy(1), "prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+        "unknown field",
+    ),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {**greedy(1), "prompt": "x", "stream_options": {"include_usage": True}},
+        "stream_options",
+        "stream: true",
+    ),
+    (
+        "unknown message field",
+        "/v1/chat/completions",
+        {**greedy(1), "messages": [{"role": "user", "content": "x", "bogus": 1}]},
+        "messages.0.bogus",
+        "unknown field",
+    ),
+    (
+        "message audio",
+        "/v1/chat/completions",
+        {**greedy(1), "messages": [{"role": "user", "content": "x", "audio": {"id": "a"}}]},
+        "messages.audio",
+        "text",
+    ),
 ]
 
 

@@ -294,6 +294,38 @@ def test_tool_requests_refused_by_name(tool_server: Running) -> None:
         state.tool_parser = "hermes"
 
 
+def test_streamed_calls_carry_their_logprobs_and_the_clients_message_goes_back(tool_server: Running) -> None:
+    """logprobs with tools: every generated token's entry arrives, whole or streamed (chunks whose text the parser
+    holds back carry them on an empty delta); the openai client's own assistant message (model_dump: refusal,
+    annotations, audio, function_call all null) is accepted back in the history."""
+    client = tool_server.client()
+    args: dict[str, Any] = {
+        "model": MODEL,
+        "messages": MESSAGES,
+        "tools": [GET_WEATHER],
+        "tool_choice": NAMED,
+        "temperature": 1.0,
+        "seed": 11,
+        "max_tokens": 160,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    whole = client.chat.completions.create(**args)
+    entries = whole.choices[0].logprobs.content if whole.choices[0].logprobs else None
+    assert whole.usage is not None and entries is not None and len(entries) == whole.usage.completion_tokens
+    streamed = []
+    for chunk in client.chat.completions.create(**args, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs and chunk.choices[0].logprobs.content:
+            streamed += chunk.choices[0].logprobs.content
+    assert [e.token for e in streamed] == [e.token for e in entries]  # same seed: the same tokens, all of them
+    message = whole.choices[0].message.model_dump()
+    assert {"refusal", "audio", "function_call"} <= set(message)
+    calls = message["tool_calls"]
+    history = [*MESSAGES, message, {"role": "tool", "tool_call_id": calls[0]["id"], "content": "18 C"}]
+    again = client.chat.completions.create(model=MODEL, messages=history, tools=[GET_WEATHER], max_tokens=2)
+    assert again.choices[0].message.content is not None
+
+
 def test_gpt_oss_answers_also_end_at_its_call_token() -> None:
     from toolchain.checkpoint.tiny import byte_level_tokenizer
 

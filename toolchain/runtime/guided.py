@@ -102,6 +102,7 @@ class Guide:
         # `_masks` is the request's first row + the position
         self._rows: dict[str, tuple[list[int], list[int]]] = {}
         self._masks = np.zeros((0, (vocab + 31) // 32), dtype=np.int32)
+        self._unusable: str | None = None  # why llguidance refused the tokenizer
         self._lock = threading.Lock()  # add() may build the tokenizer from another thread than the step loop's
         self.mask_seconds = 0.0  # time the worker spent computing masks (reported by tests and benchmarks)
 
@@ -120,16 +121,44 @@ class Guide:
         request.guide_state = template.deep_copy()
         return None
 
-    def _template(self, spec: GrammarSpec) -> Any:
-        import llguidance.hf  # imports transformers: only when a request is constrained
-
+    def prepare(self) -> str | None:
+        """Build llguidance's tokenizer now (0.5 s for a 32k vocabulary: the server does it while warming up, not on
+        the step loop at the first constrained request); why this tokenizer cannot drive a grammar, or None."""
+        if self.tokenizer is None:
+            return "structured output needs the engine's tokenizer"
         with self._lock:
-            if self._lltok is None:
-                try:
-                    self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab)  # type: ignore[arg-type]
-                except ValueError as e:  # "Only fast tokenizers are supported"
-                    raise GrammarError(f"this tokenizer cannot drive a grammar ({e})") from e
-                self._executor = llguidance.LLExecutor()
+            self._build_tokenizer()
+        return self._unusable
+
+    def check(self, spec: GrammarSpec) -> str | None:
+        """Compile `spec` for this tokenizer (cached for `add`): why it cannot constrain a request, or None. Safe from
+        any thread; the server calls it before admission so that such a request is refused, not failed."""
+        if self.tokenizer is None:
+            return "structured output needs the engine's tokenizer"
+        try:
+            self._template(spec)
+        except GrammarError as e:
+            return str(e)
+        return None
+
+    def _build_tokenizer(self) -> None:
+        """Under `_lock`: llguidance's tokenizer, built once; a tokenizer it refuses is remembered, not retried."""
+        if self._lltok is not None or self._unusable is not None:
+            return
+        import llguidance.hf  # imports transformers: only when structured output is used
+
+        try:
+            self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab)  # type: ignore[arg-type]
+        except ValueError as e:  # "Only fast tokenizers are supported"
+            self._unusable = f"this tokenizer cannot drive a grammar ({e})"
+            return
+        self._executor = llguidance.LLExecutor()
+
+    def _template(self, spec: GrammarSpec) -> Any:
+        with self._lock:
+            self._build_tokenizer()
+            if self._unusable is not None:
+                raise GrammarError(self._unusable)
             matcher = self._compiled.get(spec)
             if matcher is not None:
                 self._compiled.move_to_end(spec)

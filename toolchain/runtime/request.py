@@ -64,7 +64,7 @@ class SamplingParams:
             or self.repetition_penalty != 1
             or bool(self.logit_bias)
             or (self.min_tokens > 0 and bool(self.stop_token_ids))  # AIPerf's ignore_eos + min_tokens: nothing to mask
-            or self.min_p > 0
+            or (self.min_p > 0 and self.temperature != 0)  # min_p cannot change a greedy pick
             or self.grammar is not None
         )
 

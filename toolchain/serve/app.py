@@ -152,10 +152,15 @@ class ServerState:
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: tuple[int, ...] = (int(eos),) if isinstance(eos, int) else ()
         self.tool_parser, self.tool_parser_note = tools.choose_parser(options.tool_call_parser, tokenizer)
-        self.stop_ids += tools.stop_tokens(self.tool_parser, tokenizer)
+        self.format_stops = tools.stop_tokens(self.tool_parser, tokenizer)  # stay stops under ignore_eos
 
     def warm_up(self) -> None:
-        """One real token through the engine before /ready says yes."""
+        """One real token through the engine before /ready says yes; the grammar tokenizer built (structured
+        output's first request must not stall the step loop for it)."""
+        if self.tokenizer is not None:
+            unusable = self.llm.runtime.guide.prepare()
+            if unusable:
+                log.warning(json.dumps({"event": "structured_output_unavailable", "reason": unusable}))
         result = self.llm.submit([self._probe_token()], SamplingParams(max_new_tokens=1, temperature=0)).result()
         if result.error:
             self.warmup_error = result.error
@@ -571,7 +576,7 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         shapes.check_logprobs(body)
         mode = tools.check_tools(body, state.tool_parser) if isinstance(body, ChatCompletionRequest) else None
         prompts = _prompt_ids(state, body, tools.template_tools(body, mode))
-        grammar = structured.grammar_spec(body)
+        grammar = structured.grammar_spec(body, state.llm.runtime.guide if state.tokenizer is not None else None)
         if grammar is not None and state.tokenizer is None:
             raise ApiError(400, f"{grammar.kind}: structured output needs the engine's tokenizer (it has none)")
         if grammar is not None and (body.ignore_eos or body.min_tokens):
@@ -585,7 +590,13 @@ async def _generate(state: ServerState, request: Request, chat: bool) -> Respons
         for i, ids in enumerate(prompts):
             try:
                 params = sampling_params(
-                    body, ids, state.spec.limits.max_seq_len, state.stop_ids, state.tokenizer, state.spec.vocab_size
+                    body,
+                    ids,
+                    state.spec.limits.max_seq_len,
+                    state.stop_ids,
+                    state.tokenizer,
+                    state.spec.vocab_size,
+                    state.format_stops,
                 )
                 if grammar is not None:
                     params = dataclasses.replace(params, grammar=grammar)
@@ -914,9 +925,12 @@ async def _sse(
                 deltas = calls.feed(event.text)
                 if event.finished:
                     deltas += calls.finish(_answer_text(state, a, calls.mode) if calls.needs_special_tokens else None)
-                for delta in deltas:
+                if chunk_lps is not None and not deltas:  # text held back for the parser: its logprobs go now
+                    deltas = [{}]
+                for n, delta in enumerate(deltas):
                     chunk = completion_body(a.id, model, "", None, None, chat, chunk=True)
                     chunk["choices"][0]["delta"] = delta
+                    chunk["choices"][0]["logprobs"] = chunk_lps if n == 0 else None
                     yield _sse_data(chunk)
             elif text or chunk_lps is not None:
                 chunk = completion_body(a.id, model, text, None, None, chat, chunk=True)

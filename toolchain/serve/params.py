@@ -30,9 +30,11 @@ def sampling_params(
     eos_ids: tuple[int, ...],
     tokenizer: Any,
     vocab_size: int | None = None,
+    format_stops: tuple[int, ...] = (),
 ) -> SamplingParams:
     """`body`'s parameters for a prompt of `ids` on an engine of `max_seq_len` and `vocab_size` (logit_bias keys);
-    `eos_ids`: the tokenizer's end tokens (stop tokens unless the body says `ignore_eos`)."""
+    `eos_ids`: the tokenizer's end tokens (stop tokens unless the body says `ignore_eos`); `format_stops`: tokens
+    that end an answer in the chat format (gpt-oss's <|call|>), kept under `ignore_eos`."""
     limit = max_seq_len
     if len(ids) >= limit:
         field_name = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
@@ -56,6 +58,7 @@ def sampling_params(
             param="min_tokens",
         )
     stop_ids = list(() if body.ignore_eos else eos_ids)
+    stop_ids += [t for t in format_stops if t not in stop_ids]
     stop_ids += [t for t in body.stop_token_ids or () if t not in stop_ids]
     if vocab_size is not None and any(not 0 <= t < vocab_size for t in stop_ids):
         bad = [t for t in stop_ids if not 0 <= t < vocab_size]

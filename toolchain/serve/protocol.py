@@ -31,6 +31,8 @@ class ApiError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
 
 
@@ -88,6 +90,8 @@ class _Sampling(BaseModel):
     service_tier: Any = None
 
     def refuse_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:  # as vLLM: they describe a stream
+            raise ApiError(400, "stream_options needs stream: true", param="stream_options")
         # vLLM answers any suffix, even "", with 400 "suffix is not currently supported" (no fill-in-the-middle)
         if getattr(self, "suffix", None) is not None:
             raise ApiError(400, "suffix is not supported (no fill-in-the-middle): leave it out", param="suffix")
@@ -127,15 +131,25 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, sent back by tool-calling clients
     tool_call_id: str | None = None  # a tool turn's answer to one call
+    # what an OpenAI client's own assistant message carries when a tool-calling loop sends it back (message.model_dump)
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: dict[str, Any] | None = None  # refused when set: text only here
+    function_call: dict[str, Any] | None = None  # OpenAI's deprecated single call: refused when set (use tool_calls)
+    reasoning_content: str | None = None  # vLLM passes reasoning back to the template
 
     def text(self) -> str:
+        for name in ("audio", "function_call"):
+            if getattr(self, name) is not None:
+                fix = "send tool_calls" if name == "function_call" else "send text"
+                raise ApiError(400, f"messages: {name} is not supported here; {fix}", param=f"messages.{name}")
         if isinstance(self.content, list):  # content parts: text only
             if any(part.get("type") != "text" for part in self.content):
                 raise ApiError(400, "only text content parts are supported", param="messages")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from toolchain.runtime.guided import GrammarError, compile_grammar
+from toolchain.runtime.guided import GrammarError, Guide, compile_grammar
 from toolchain.runtime.request import GrammarSpec
 from toolchain.serve import tools
 from toolchain.serve.protocol import ApiError, ChatCompletionRequest, CompletionRequest
@@ -24,8 +24,9 @@ RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
-def grammar_spec(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec | None:
-    """The request's constraint, checked (it compiles), or None; ApiError(400) naming the field otherwise."""
+def grammar_spec(body: CompletionRequest | ChatCompletionRequest, guide: Guide | None = None) -> GrammarSpec | None:
+    """The request's constraint, checked (it compiles, and with `guide`, for this engine's tokenizer), or None;
+    ApiError(400) naming the field otherwise."""
     found: list[tuple[str, GrammarSpec]] = []
     if body.response_format is not None:
         spec = _response_format(body.response_format)
@@ -55,6 +56,9 @@ def grammar_spec(body: CompletionRequest | ChatCompletionRequest) -> GrammarSpec
         compile_grammar(spec)
     except GrammarError as e:
         raise ApiError(400, f"{field}: the {spec.kind} constraint does not compile: {e}", param=field) from e
+    problem = guide.check(spec) if guide is not None else None
+    if problem:
+        raise ApiError(400, f"{field}: the {spec.kind} constraint cannot run on this engine: {problem}", param=field)
     return spec
 
 

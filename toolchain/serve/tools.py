@@ -188,6 +188,8 @@ def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
             turn["name"] = m.name
         if m.tool_call_id is not None:
             turn["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            turn["reasoning_content"] = m.reasoning_content
         if m.tool_calls:
             calls = []
             for call in m.tool_calls:
