@@ -63,7 +63,9 @@ def fake_limits(
 
 
 class FakeEngine:
-    """An `Engine` whose model is `next_token` (or `model`, any function of the context), run over the KV pool.
+    """An `Engine` whose model is `next_token` (or `model`, any function of the context), run over the KV pool;
+    with `logits_model` (the context -> a logits row [vocab]) each row is that row instead of a one-hot of `model`'s
+    token (a distribution to sample from, for the speculative-sampling tests).
 
     `delay_s` sleeps in every call (a slow engine, for cancellation tests); while `broken` is set, calls raise.
     `calls` counts the calls and `seen` sums the sequences they carried."""
@@ -74,6 +76,7 @@ class FakeEngine:
         model: Callable[[np.ndarray], int] = next_token,
         delay_s: float = 0.0,
         vocab_size: int = VOCAB,
+        logits_model: Callable[[np.ndarray], np.ndarray] | None = None,
     ):
         limits = limits or fake_limits()
         kv = KVCacheSpec("float32", num_layers=1, num_kv_heads=1, tokens_per_block=TOKENS_PER_BLOCK, head_size=1)
@@ -88,7 +91,7 @@ class FakeEngine:
             kv_cache=kv,
         )
         self.vocab_size, self.tokens_per_block = vocab_size, TOKENS_PER_BLOCK
-        self.model, self.delay_s = model, delay_s
+        self.model, self.delay_s, self.logits_model = model, delay_s, logits_model
         self.broken = False
         self.calls = self.seen = 0
 
@@ -115,7 +118,10 @@ class FakeEngine:
             s, end = int(seq[at]), int(pos[at]) + 1
             blocks = batch.block_tables[s, : -(-end // tpb)]
             context = pool[blocks].reshape(-1)[:end].astype(np.int64)
-            logits[r, self.model(context)] = 1.0
+            if self.logits_model is not None:
+                logits[r] = self.logits_model(context)
+            else:
+                logits[r, self.model(context)] = 1.0
         self.calls += 1
         self.seen += int(batch.new_lens.size)
         return logits

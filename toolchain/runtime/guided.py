@@ -3,6 +3,15 @@ masks of the constrained rows are computed on a worker thread while the engine r
 call, `wait` after it), then applied to the host rows (`mask`), and the chosen token advances the matcher
 (`accept`).
 
+Speculative decoding (issue 30): a constrained request's drafts are first cut to the prefix its grammar accepts
+(`valid_prefix`: `LLMatcher.validate_tokens`, llguidance/_lib.pyi), before the engine call — a refused draft has
+p = 0 and could only be rejected. `begin` then gets each request's drafts and fills k + 1 masks per request in the
+same worker call (`llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens`: the mask after the accepted
+tokens, then after each draft token, the matcher rolled back afterwards; llguidance/_lib.pyi
+`LLExecutor.unsafe_compute_mask_ptr_with_draft_token`). The runtime verifies positions left to right and moves to
+position j + 1 only when position j emitted draft j, so `accept` steps to the next precomputed row and the matcher
+consumes only emitted tokens (no rollback needed).
+
 The grammar engine is llguidance (docs/serving.md says why, with the figures): `llguidance.hf.from_tokenizer`
 builds its tokenizer once per runtime from the HF fast tokenizer; `LLMatcher` follows one request;
 `llguidance.numpy.fill_next_token_bitmask_par` fills the masks of a step's rows in one call that releases the GIL
@@ -89,7 +98,9 @@ class Guide:
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._failed: str | None = None  # why the last fill failed, for its rows
-        self._rows: dict[str, int] = {}  # request id -> its row of `_masks` (the last `begin`)
+        # request id -> (its drafts, the position its next mask is for) from the last `begin`: the position's row of
+        # `_masks` is the request's first row + the position
+        self._rows: dict[str, tuple[list[int], list[int]]] = {}
         self._masks = np.zeros((0, (vocab + 31) // 32), dtype=np.int32)
         self._unusable: str | None = None  # why llguidance refused the tokenizer
         self._lock = threading.Lock()  # add() may build the tokenizer from another thread than the step loop's
@@ -166,24 +177,43 @@ class Guide:
         self._rows.pop(request.id, None)
 
     # -- one step -----------------------------------------------------------------------------------------------
-    def begin(self, requests: Sequence[Request]) -> None:
-        """Start computing the next-token masks of `requests` (off the caller's thread)."""
+    def valid_prefix(self, request: Request, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (a draft) `request`'s grammar accepts in a row from its current state."""
+        matcher = request.guide_state
+        return len(tokens) if matcher is None else int(matcher.validate_tokens(list(tokens)))
+
+    def begin(self, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None = None) -> None:
+        """Start computing the next-token masks of `requests` (off the caller's thread): with `drafts` (each
+        request's drafted tokens, issue 30) also the masks after each drafted token."""
         self.wait()
         self._failed = None
-        live = [r for r in requests if r.guide_state is not None]
+        todo = [(r, list(d)) for r, d in zip(requests, drafts or [()] * len(requests), strict=True)]
+        live = [(r, d) for r, d in todo if r.guide_state is not None]
         if not live:
             return
-        if self._masks.shape[0] < len(live):
-            self._masks = np.zeros((len(live), self._masks.shape[1]), dtype=np.int32)
-        self._rows = {r.id: i for i, r in enumerate(live)}
-        pairs = [(r.guide_state, i) for i, r in enumerate(live)]
+        rows = sum(1 + len(d) for _, d in live)
+        if self._masks.shape[0] < rows:
+            self._masks = np.zeros((rows, self._masks.shape[1]), dtype=np.int32)
+        self._rows = {}
+        pairs: list[tuple[Any, ...]] = []
+        at = 0
+        for r, d in live:
+            self._rows[r.id] = (d, [at, 0])
+            pairs.append((r.guide_state, at, d) if d else (r.guide_state, at))
+            at += 1 + len(d)
         if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="trtbuild-guide")
-        self._pending = self._worker.submit(self._fill, pairs, self._masks)
+        self._pending = self._worker.submit(self._fill, pairs, self._masks[:rows])
 
-    def _fill(self, pairs: list[tuple[Any, int]], masks: np.ndarray) -> None:
+    def _fill(self, pairs: list[tuple[Any, ...]], masks: np.ndarray) -> None:
         started = time.perf_counter()
-        llguidance.numpy.fill_next_token_bitmask_par(self._executor, pairs, masks[: len(pairs)])
+        plain = [p for p in pairs if len(p) == 2]
+        drafted = [p for p in pairs if len(p) == 3]  # llguidance refuses empty drafts in the draft call
+        if drafted:  # llguidance leaves a row unwritten after a draft it refuses: zero (`mask` computes it alone)
+            masks[:] = 0
+            llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafted, masks)
+        if plain or not drafted:
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, plain, masks)
         self.mask_seconds += time.perf_counter() - started
 
     def wait(self) -> None:
@@ -201,15 +231,14 @@ class Guide:
         matcher = request.guide_state
         if matcher is None:
             return
-        row = self._rows.get(request.id)
-        if row is None:  # not in this step's `begin` (a caller that did not start it): computed here, alone
+        slot = self._rows.get(request.id)
+        if slot is not None and self._failed is not None:
+            raise ValueError(self._failed)
+        mask = self._masks[slot[1][0]] if slot is not None else None
+        if mask is None or not mask.any():  # not in this step's `begin` (or a draft row llguidance left unwritten)
             words = np.zeros((1, self._masks.shape[1]), dtype=np.int32)
             llguidance.numpy.fill_next_token_bitmask(matcher, words, 0)
             mask = words[0]
-        elif self._failed is not None:
-            raise ValueError(self._failed)
-        else:
-            mask = self._masks[row]
         bits = np.unpackbits(mask.view(np.uint8), bitorder="little")[: scores.numel()]
         scores.masked_fill_(torch.from_numpy(bits == 0), float("-inf"))
 
@@ -218,7 +247,13 @@ class Guide:
         matcher = request.guide_state
         if matcher is None:
             return None
-        self._rows.pop(request.id, None)  # its mask is spent
+        slot = self._rows.get(request.id)
+        if slot is not None:  # its mask is spent; the next row is valid only when `token` is the position's draft
+            drafts, (row, position) = slot
+            if position < len(drafts) and drafts[position] == token:
+                slot[1][:] = [row + 1, position + 1]
+            else:
+                del self._rows[request.id]
         if not matcher.consume_token(token):
             return str(matcher.get_error() or f"token {token} does not continue the grammar")
         return None

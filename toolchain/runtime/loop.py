@@ -18,7 +18,7 @@ import torch
 
 from toolchain.engine.api import Engine, Limits, StepTokens
 from toolchain.engine.contract import Batch
-from toolchain.runtime import logprobs
+from toolchain.runtime import logprobs, rejection
 from toolchain.runtime.blocks import BlockManager
 from toolchain.runtime.detokenizer import Decoder, IncrementalDetokenizer
 from toolchain.runtime.guided import Guide
@@ -273,6 +273,7 @@ class Runtime:
         )
         sampled: list[int] = []  # output rows whose logits come to the host: only for requests that need them
         constrained: list[Request] = []
+        constrained_drafts: list[list[int]] = []
         for i, s in enumerate(scheduled):
             p = s.request.params
             if not p.needs_host_logits and many is None:
@@ -284,8 +285,10 @@ class Runtime:
                 sampled.append(last[i] - 1)
             if p.grammar is not None and complete:
                 constrained.append(s.request)
+                drafted = drafts[i]
+                constrained_drafts.append(drafted.tokens if drafted is not None else [])
         if constrained:
-            self.guide.begin(constrained)  # masks computed while the engine runs
+            self.guide.begin(constrained, constrained_drafts)  # masks computed while the engine runs
         step = self.engine.forward_tokens(batch, self.pool, sampled)
         if constrained:
             self.guide.wait()
@@ -342,6 +345,12 @@ class Runtime:
                 continue
             if len(d.tokens) > s.spec:  # a proposer may not use more slots than the scheduler reserved
                 raise RuntimeError(f"the proposer drafted {len(d.tokens)} tokens for {s.spec} slots")
+            if s.request.params.grammar is not None:  # drafts the grammar refuses could only be rejected: cut
+                n = self.guide.valid_prefix(s.request, d.tokens)
+                if n == 0:
+                    drafts[k] = None
+                    continue
+                d.tokens, d.probs = d.tokens[:n], (d.probs[:n] if d.probs is not None else None)
             s.tokens = s.tokens + d.tokens
         return drafts if any(d is not None for d in drafts) else None
 
@@ -355,25 +364,34 @@ class Runtime:
         ended: list[Request],
     ) -> int:
         """Keep the drafted tokens the target agrees with, left to right, and the target's own token after them;
-        returns how many tokens were emitted. Each position goes through `_choose` / `_accept` as a plain step would
-        (stops, min_tokens, penalties' counts see the tokens before it). The KV of an accepted draft is the
-        accepted token's (it was fed at that position), so the request advances over it; a rejected draft's is left
-        past `num_computed`, to be overwritten."""
+        returns how many tokens were emitted. Plain greedy rows compare the draft with the engine's argmax; host
+        rows process each position's raw row as `_choose` would (its pipeline in the state after the tokens before
+        it: `_accept` updates it) and apply the acceptance rule (rejection.py); the bonus token is a plain
+        `_choose`. Each emitted token goes through `_accept` as a plain step's (stops, min_tokens, logprobs from its
+        own raw row). The KV of an accepted draft is the accepted token's (it was fed at that position), so the
+        request advances over it; a rejected draft's is left past `num_computed`, to be overwritten."""
         self.blocks.advance(request, 1)  # the last token, fed first
         accepted = emitted = 0
         for j in range(len(draft.tokens) + 1):
             row = first_row + j
             proposed = draft.tokens[j] if j < len(draft.tokens) else None
             try:
-                if request.params.needs_host_logits:
-                    token, logprob = self._choose(request, step.rows[row])
-                else:
+                if not request.params.needs_host_logits:
                     token, logprob = greedy_ids[row], None
+                    hit = token == proposed
+                elif proposed is None:  # the bonus token: a plain step's
+                    token, logprob = self._choose(request, step.rows[row])
+                    hit = False
+                else:  # the acceptance rule on the row as a plain step would process it (rejection.py)
+                    q = draft.probs[j] if draft.probs is not None else None
+                    token, hit = rejection.verify_position(
+                        self._scores(request, step.rows[row]), proposed, q, request.params, request.generator
+                    )
+                    logprob = self._logprob(request, step.rows[row], token)
             except (RuntimeError, ValueError) as e:
                 self._retire(request, Status.FAILED, FinishReason.ERROR, f"sampling failed: {e}")
                 ended.append(request)
                 break
-            hit = token == proposed
             accepted += hit
             emitted += 1
             self._accept(request, token, ended, logprob)
@@ -387,14 +405,23 @@ class Runtime:
     def _choose(self, request: Request, row: np.ndarray) -> tuple[int, TokenLogprob | None]:
         """The next token of a host row, from the engine's raw logits `row`: the grammar mask, the request's
         pipeline, then sampling (or argmax); the logprob reported is the raw row's."""
-        p = request.params
+        token = sample(self._scores(request, row), request.params, request.generator)
+        return token, self._logprob(request, row, token)
+
+    def _scores(self, request: Request, row: np.ndarray) -> torch.Tensor:
+        """The float64 scores a host row's token is chosen from: the raw row, the grammar mask, then the request's
+        pipeline (in the state after the tokens accepted so far)."""
         scores = torch.from_numpy(np.asarray(row, dtype=np.float64))
-        if p.grammar is not None:
+        if request.params.grammar is not None:
             self.guide.mask(request, scores)
         if request.pipeline is not None:
             scores = request.pipeline.apply(scores, request)
-        token = sample(scores, p, request.generator)
-        return token, (logprobs.token_logprob(row, token, p.logprobs) if p.logprobs is not None else None)
+        return scores
+
+    def _logprob(self, request: Request, row: np.ndarray, token: int) -> TokenLogprob | None:
+        """`token`'s raw logprob in `row` when the request asks for logprobs (#29: before any processing)."""
+        k = request.params.logprobs
+        return logprobs.token_logprob(row, token, k) if k is not None else None
 
     def _accept(self, request: Request, token: int, ended: list[Request], logprob: TokenLogprob | None = None) -> None:
         """A sampled token: stream it, and retire the request if it stops here."""

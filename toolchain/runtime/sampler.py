@@ -13,10 +13,13 @@ import torch
 from toolchain.runtime.request import SamplingParams
 
 
-def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """One token id from logits [vocab] (float64 scores from the request's pipeline, or the engine's row)."""
+def distribution(logits: np.ndarray | torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The float64 distribution [vocab] a sampled request draws its next token from, given its scores (float64 from
+    the request's pipeline, or the engine's row): temperature, min_p, top-k, top-p. Speculative verification
+    (rejection.py) takes its target probabilities p from here, so sampling and verification share one definition.
+    Temperature 0 has no distribution here: the token is the argmax (`sample`)."""
     if params.temperature == 0:
-        return int(torch.argmax(logits)) if isinstance(logits, torch.Tensor) else int(np.argmax(logits))
+        raise ValueError("temperature 0 samples no distribution: its token is the argmax")
     scores = logits.double() if isinstance(logits, torch.Tensor) else torch.from_numpy(np.asarray(logits, np.float64))
     scores = (scores - scores.max()) / params.temperature  # max first: a tiny temperature cannot overflow to inf
     if params.min_p > 0:  # the largest score is 0 here, so p / p_max = exp(score): below min_p <=> score < log(min_p)
@@ -31,4 +34,16 @@ def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, generator:
         before = torch.cumsum(ordered, 0) - ordered  # mass strictly above each token: keep while < top_p
         ordered = ordered.masked_fill(before >= params.top_p, 0.0)
         probs = torch.zeros_like(probs).scatter(0, index, ordered)
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return probs / probs.sum()
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """One token id from `distribution`'s probabilities, with the request's generator (one multinomial draw)."""
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample(logits: np.ndarray | torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token id from logits [vocab] (float64 scores from the request's pipeline, or the engine's row)."""
+    if params.temperature == 0:
+        return int(torch.argmax(logits)) if isinstance(logits, torch.Tensor) else int(np.argmax(logits))
+    return draw(distribution(logits, params), generator)

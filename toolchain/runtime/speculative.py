@@ -121,10 +121,11 @@ class SpecStats:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether the scheduler reserves draft slots for `request`. FRAME: plain greedy requests only (their tokens are
-    the engine's argmax per row); slice C lifts this for host rows (sampling, penalties, logprobs, grammars) with
-    the acceptance rule of runtime/rejection.py."""
-    return not request.params.needs_host_logits
+    """Whether the scheduler reserves draft slots for `request`: every request does. Plain greedy requests verify on
+    the engine's argmax per row; host rows (sampling, penalties, logit_bias, logprobs, grammars) through the
+    acceptance rule of runtime/rejection.py, each position processed as a plain step would (a grammar's masks for
+    the drafted positions: runtime/guided.py)."""
+    return True
 
 
 def make_proposer(config: SpecConfig, target: Engine, draft: Engine | None = None) -> Proposer:
