@@ -285,7 +285,7 @@ class Runtime:
                 sampled.append(last[i] - 1)
             if p.grammar is not None and complete:
                 constrained.append(s.request)
-                drafted = drafts[i]
+                drafted = drafts[i] if drafts is not None else None
                 constrained_drafts.append(drafted.tokens if drafted is not None else [])
         if constrained:
             self.guide.begin(constrained, constrained_drafts)  # masks computed while the engine runs
