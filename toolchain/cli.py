@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from enum import Enum
 from pathlib import Path
 from types import FrameType
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import typer.core
@@ -36,6 +36,18 @@ from toolchain.quantize.methods import (
     METHOD_NAMES,
     METHODS_HELP,
 )
+from toolchain.speculation_cli import (
+    DraftOpt,
+    NgramMaxOpt,
+    NgramMinOpt,
+    NgramOpt,
+    SpecTokensOpt,
+    spec_config,
+    speculation_from_options,
+)
+
+if TYPE_CHECKING:
+    from toolchain.runtime.speculative import SpecStats
 
 
 class _PlainErrors(typer.core.TyperGroup):
@@ -483,9 +495,16 @@ def generate(
         list[str] | None, typer.Option("--logit-bias", help="ID=BIAS added to that token's logit (repeatable).")
     ] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Generate text with an engine through the in-flight batching runtime (the server's sampling parameters)."""
+    """Generate text with an engine through the in-flight batching runtime (the server's sampling parameters).
+    With --ngram or --draft the runtime speculates: greedy output is the same tokens, only faster where drafts are
+    accepted."""
     from toolchain.engine.api import close_engine, load_tokenizer, open_engine
     from toolchain.runtime.llm_engine import LLMEngine
     from toolchain.runtime.request import FinishReason, SamplingParams
@@ -495,8 +514,13 @@ def generate(
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
         if repetition_penalty <= 0:
             raise UserError(f"--repetition-penalty {repetition_penalty}: must be > 0 (1: off)")
+        spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens)  # refused before any engine opens
         engine = open_engine(engine_dir)  # first: the tokenizer is one of the files it checks
+        draft_engine = None
         try:
+            speculation, draft_engine = speculation_from_options(
+                engine, ngram, ngram_min, ngram_max, draft, num_speculative_tokens
+            )
             tok = load_tokenizer(engine_dir)
             eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
             params = SamplingParams(
@@ -513,7 +537,7 @@ def generate(
                 logit_bias=_logit_bias(logit_bias or []),
                 min_p=min_p,
             )
-            with LLMEngine(engine, tok) as llm:
+            with LLMEngine(engine, tok, speculation=speculation, draft_engine=draft_engine) as llm:
                 events = llm.submit(prompt, params)
                 ids, pieces = [], []
                 for event in events:
@@ -523,14 +547,28 @@ def generate(
                         typer.echo(event.text, nl=False)
                 if event.finish_reason == FinishReason.ERROR:
                     raise UserError(f"generation failed: {event.error}")
+                spec = llm.runtime.spec_stats
         finally:
+            if draft_engine is not None:
+                close_engine(draft_engine)
             close_engine(engine)  # a multi-rank engine's ranks stop here
     if stream and not json_out:
         typer.echo("")
         return
     text = "".join(pieces)
     result = {"prompt": prompt, "text": text, "tokens": ids, "finish_reason": event.finish_reason}
+    if speculation is not None:  # on stderr: stdout is the same as without speculation
+        console.info(_spec_line(speculation.method, spec))
     _emit(result, json_out, [text])
+
+
+def _spec_line(method: str, stats: SpecStats) -> str:
+    rate, mal = stats.acceptance_rate, stats.mean_accepted_length
+    return (
+        f"speculation ({method}): {stats.drafts} drafts, {stats.accepted}/{stats.draft_tokens} drafted tokens "
+        f"accepted ({'-' if rate is None else f'{100 * rate:.1f} %'}), mean accepted length "
+        f"{'-' if mal is None else f'{mal:.2f}'}"
+    )
 
 
 def _logit_bias(pairs: list[str]) -> tuple[tuple[int, float], ...]:
@@ -660,16 +698,31 @@ def serve(
         bool,
         typer.Option("--log-requests", help="Put prompt and output text in the request log (off: ids and counts)."),
     ] = False,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
 ) -> None:
     """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), vLLM's
     /tokenize, /detokenize and /tokenizer_info, /version, health and readiness probes, Prometheus metrics under vLLM's
-    names, API keys, per-key rate limits and graceful drain."""
+    names, API keys, per-key rate limits and graceful drain. With --ngram or --draft the server speculates (greedy
+    output unchanged) and exposes vLLM's vllm:spec_decode_* counters."""
     from toolchain.serve.app import ServeOptions
     from toolchain.serve.server import serve as run_server
 
     with _handled():
         options = ServeOptions(
-            host, port, api_keys, max_queue, request_timeout, drain_timeout, served_model_name, log_requests
+            host,
+            port,
+            api_keys,
+            max_queue,
+            request_timeout,
+            drain_timeout,
+            served_model_name,
+            log_requests,
+            speculation=spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens),
+            draft=draft,
         )
         run_server(engine_dir, options)
 
