@@ -623,19 +623,59 @@ def bench_(
         typer.Option("--allow-failures", help="Exit 0 even when requests fail (they are listed with the reason)."),
     ] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write KV-cache utilization over time (SVG).")] = None,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help='With --ngram/--draft: JSONL of {"prompt": ...} or {"text": ...} put, cycled, on the trace\'s '
+            "arrivals and output lengths. A trace's own prompts are random ids: acceptance on them is a lower bound.",
+            rich_help_panel="Speculative decoding",
+        ),
+    ] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            "--rounds",
+            min=1,
+            help="With --ngram/--draft: interleaved rounds of the plain and the speculative replay (medians).",
+            rich_help_panel="Speculative decoding",
+        ),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions,
-    prefix-cache hits. Exits 1 when any request fails, unless --allow-failures."""
-    from toolchain.engine.api import close_engine, open_engine
-    from toolchain.runtime.replay import replay, table, utilization_svg
+    prefix-cache hits. Exits 1 when any request fails, unless --allow-failures. With --ngram or --draft: the trace
+    replayed without and with speculation, both results, their ratio, acceptance, mean accepted length and a
+    projected GPU speedup (labelled as such: a CPU run cannot measure it)."""
+    from toolchain.engine.api import close_engine, load_tokenizer, open_engine
+    from toolchain.runtime.replay import (
+        compare_speculation,
+        read_prompts,
+        replay,
+        speculation_table,
+        table,
+        utilization_svg,
+        with_prompts,
+    )
     from toolchain.runtime.scheduler import POLICIES
     from toolchain.runtime.traces import load_trace
 
     with _handled():
         if policy not in POLICIES:
             raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
+        config = spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens)
+        if config is None and (prompts is not None or rounds != 1):
+            raise UserError("--prompts and --rounds compare speculation against plain decoding: add --ngram or --draft")
+        if config is not None and (static or plot):
+            raise UserError("--static and --plot are for a plain replay: drop them with --ngram/--draft")
+        texts = read_prompts(prompts) if prompts is not None else None
         engine = open_engine(engine_dir)
+        draft_engine = None
         try:
             limits = engine.spec.limits
             requests, scale = load_trace(
@@ -644,14 +684,50 @@ def bench_(
             console.info(
                 f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})"
             )
-            r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
+            if config is not None:
+                config, draft_engine = speculation_from_options(
+                    engine, ngram, ngram_min, ngram_max, draft, num_speculative_tokens
+                )
+                assert config is not None
+                source = "the trace's (random ids)"
+                if texts is not None:
+                    tok = load_tokenizer(engine_dir)
+                    ids = [list(tok.encode(t)) for t in texts]
+                    requests = with_prompts(requests, ids, limits.max_seq_len)
+                    source = f"{prompts} ({len(texts)} texts, cycled)"
+                r = compare_speculation(
+                    engine,
+                    requests,
+                    config,
+                    draft_engine,
+                    rounds,
+                    policy=policy,
+                    num_blocks=kv_blocks or None,
+                    prefix_sharing=prefix_sharing,
+                )
+                r.update(prompts=source, draft=str(draft) if draft is not None else None)
+            else:
+                r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
         finally:
+            if draft_engine is not None:
+                close_engine(draft_engine)
             close_engine(engine)  # a multi-rank engine's ranks stop here
         r["settings"].update(max_requests=max_requests, rate_scale=rate_scale, max_gap_s=max_gap_s, seed=0)
         cut = [q.gap_cut_s for q in requests if q.gap_cut_s > 0]
         r.update(trace=str(trace), length_scale=scale, gaps_cut=len(cut), gap_seconds_cut=sum(cut))
         if plot:
             utilization_svg(r["kv_utilization"], plot, f"KV blocks in use, {trace.name}")
+    if config is not None:
+        _emit(r, json_out, speculation_table(r))
+        lost = [(side, r[side]) for side in ("plain", "speculative") if r[side]["not_completed"]]
+        if lost and not allow_failures:
+            side, run = lost[0]
+            reason = next(iter(run["failure_reasons"]), "unknown")
+            raise UserError(
+                f"{side} replay: {run['not_completed']} of {run['requests']} requests did not complete (first "
+                f"reason: {reason}); fix the engine or trace, or pass --allow-failures to accept"
+            )
+        return
     _emit(r if json_out else {k: v for k, v in r.items() if k != "kv_utilization"}, json_out, table(r))
     if r["not_completed"] and not allow_failures:
         reason = next(iter(r["failure_reasons"]), "unknown")
