@@ -633,7 +633,8 @@ def bench_(
         typer.Option(
             "--prompts",
             help='With --ngram/--draft: JSONL of {"prompt": ...} or {"text": ...} put, cycled, on the trace\'s '
-            "arrivals and output lengths. A trace's own prompts are random ids: acceptance on them is a lower bound.",
+            "arrivals and output lengths. A trace's own prompts are random ids: what speculation gains on them is "
+            "not what it gains on text.",
             rich_help_panel="Speculative decoding",
         ),
     ] = None,
