@@ -115,6 +115,15 @@ def test_generate_with_ngram_prints_what_plain_greedy_prints(cli: Any, engine: P
     assert spec.stdout == plain.stdout
 
 
+def test_generate_with_a_draft_prints_what_plain_greedy_prints(cli: Any, engine: Path) -> None:
+    """The engine as its own draft (same tokenizer and limits: check_draft passes; a draft that always agrees)."""
+    args = ("generate", engine, "--prompt", STORY, "--max-new-tokens", "24", "--json")
+    plain = cli(*args)
+    spec = cli(*args, "--draft", engine, "--num-speculative-tokens", "2")
+    assert plain.exit_code == 0 and spec.exit_code == 0, (plain.stderr, spec.stderr)
+    assert spec.stdout == plain.stdout
+
+
 @pytest.mark.parametrize(
     ("args", "said"),
     [

@@ -122,3 +122,30 @@ def test_without_speculation_the_families_and_log_fields_are_absent(server: Runn
         assert post(server.url, body("plain")).status_code == 200
     [line] = [line for line in logged.lines if line.get("event") == "request"]
     assert not {k for k in line if k.startswith("spec_")}
+
+
+def test_a_draft_server_opens_the_draft_and_closes_it_with_the_engine(
+    engine_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`serve --draft DIR`: prepare opens the draft (checked against the engine), the runtime gets it, and closing
+    the server's engine closes it too; the engine itself serves as its own draft here (same tokenizer and limits)."""
+    closed: list[Any] = []
+    with running(engine_dir, speculation=SpecConfig("draft", 2), draft=engine_dir) as r:
+        draft = r.state.draft_engine
+        assert draft is not None and draft is not r.state.engine
+        assert draft.spec.engine_dir == engine_dir
+        assert r.state.llm.runtime.speculation == SpecConfig("draft", 2)
+        monkeypatch.setattr(draft, "close", lambda: closed.append(draft), raising=False)
+        response = post(r.url, body([5, 17, 29, 41]))
+        assert response.status_code == 200, response.text
+        r.state.close_engine()  # what server.run does when it stops (this in-process helper does not)
+        assert closed == [draft]
+
+
+def test_a_draft_method_without_a_draft_dir_is_refused(engine_dir: Path) -> None:
+    from toolchain.errors import UserError
+    from toolchain.serve.app import ServeOptions
+    from toolchain.serve.server import prepare
+
+    with pytest.raises(UserError, match="--draft DIR goes with method draft"):
+        prepare(engine_dir, ServeOptions(speculation=SpecConfig("draft", 2)))
