@@ -36,6 +36,18 @@ from toolchain.quantize.methods import (
     METHOD_NAMES,
     METHODS_HELP,
 )
+from toolchain.speculation_cli import (
+    DraftOpt,
+    NgramMaxOpt,
+    NgramMinOpt,
+    NgramOpt,
+    SpecTokensOpt,
+    spec_config,
+    speculation_from_options,
+)
+
+if TYPE_CHECKING:
+    from toolchain.runtime.speculative import SpecStats
 
 if TYPE_CHECKING:
     from toolchain.evaluate.engine_eval import SpecOptions
@@ -344,48 +356,14 @@ def _parse_gates(items: list[str]) -> dict[str, float]:
     return gates
 
 
-# speculative decoding (issue 30): eval and diff replay the golden prompts speculating with these (slice D gives
-# serve / generate / bench the same names; the lead unifies the aliases at merge)
-SpecNgramOpt = Annotated[
-    bool, typer.Option("--ngram", help="Speculate with n-gram prompt lookup (vLLM's ngram proposer).")
-]
-SpecNgramMinOpt = Annotated[
-    int | None, typer.Option("--ngram-min", min=1, help="Shortest n-gram matched (prompt_lookup_min; default 2).")
-]
-SpecNgramMaxOpt = Annotated[
-    int | None, typer.Option("--ngram-max", min=1, help="Longest n-gram matched (prompt_lookup_max; default 4).")
-]
-SpecTokensOpt = Annotated[
-    int | None,
-    typer.Option("--num-speculative-tokens", min=1, help="Tokens drafted per step at most (default 4)."),
-]
-SpecDraftOpt = Annotated[
-    Path | None, typer.Option("--draft", help="Speculate with this draft engine (same tokenizer as the target).")
-]
-
-
 def _speculation(
     ngram: bool, ngram_min: int | None, ngram_max: int | None, k: int | None, draft: Path | None
 ) -> SpecOptions | None:
     """--ngram / --draft and their settings as eval's and diff's speculation; None when neither is given."""
     from toolchain.evaluate.engine_eval import SpecOptions
-    from toolchain.runtime.speculative import SpecConfig
 
-    if ngram and draft is not None:
-        raise UserError("--ngram and --draft both given: speculate with one proposer; drop one of them")
-    if not ngram and (ngram_min is not None or ngram_max is not None):
-        raise UserError("--ngram-min/--ngram-max set the n-gram proposer: add --ngram")
-    if not ngram and draft is None:
-        if k is not None:
-            raise UserError("--num-speculative-tokens needs a proposer: add --ngram or --draft DIR")
-        return None
-    lo = ngram_min if ngram_min is not None else min(2, ngram_max or 2)
-    hi = ngram_max if ngram_max is not None else max(4, lo)
-    try:
-        config = SpecConfig("ngram" if ngram else "draft", k or 4, lo, hi)
-    except ValueError as e:  # min > max
-        raise UserError(f"{e} (--ngram-min {lo}, --ngram-max {hi})") from e
-    return SpecOptions(config, draft)
+    config = spec_config(ngram, ngram_min, ngram_max, draft, k)
+    return SpecOptions(config, draft) if config is not None else None
 
 
 @app.command(
@@ -416,11 +394,11 @@ def eval_(
     backend: Annotated[
         Backend | None, typer.Option(help="Run through this backend instead of the engine's own.")
     ] = None,
-    ngram: SpecNgramOpt = False,
-    ngram_min: SpecNgramMinOpt = None,
-    ngram_max: SpecNgramMaxOpt = None,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     num_speculative_tokens: SpecTokensOpt = None,
-    draft: SpecDraftOpt = None,
+    draft: DraftOpt = None,
     force: ForceOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
@@ -538,9 +516,16 @@ def generate(
         list[str] | None, typer.Option("--logit-bias", help="ID=BIAS added to that token's logit (repeatable).")
     ] = None,
     stream: Annotated[bool, typer.Option("--stream", help="Print tokens as they are generated.")] = False,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Generate text with an engine through the in-flight batching runtime (the server's sampling parameters)."""
+    """Generate text with an engine through the in-flight batching runtime (the server's sampling parameters).
+    With --ngram or --draft the runtime speculates: greedy output is the same tokens, only faster where drafts are
+    accepted."""
     from toolchain.engine.api import close_engine, load_tokenizer, open_engine
     from toolchain.runtime.llm_engine import LLMEngine
     from toolchain.runtime.request import FinishReason, SamplingParams
@@ -550,8 +535,13 @@ def generate(
             raise UserError(f"--top-p {top_p}: must be in (0, 1]")
         if repetition_penalty <= 0:
             raise UserError(f"--repetition-penalty {repetition_penalty}: must be > 0 (1: off)")
+        spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens)  # refused before any engine opens
         engine = open_engine(engine_dir)  # first: the tokenizer is one of the files it checks
+        draft_engine = None
         try:
+            speculation, draft_engine = speculation_from_options(
+                engine, ngram, ngram_min, ngram_max, draft, num_speculative_tokens
+            )
             tok = load_tokenizer(engine_dir)
             eos = (tok.eos_token_id,) if tok.eos_token_id is not None else ()
             params = SamplingParams(
@@ -568,7 +558,7 @@ def generate(
                 logit_bias=_logit_bias(logit_bias or []),
                 min_p=min_p,
             )
-            with LLMEngine(engine, tok) as llm:
+            with LLMEngine(engine, tok, speculation=speculation, draft_engine=draft_engine) as llm:
                 events = llm.submit(prompt, params)
                 ids, pieces = [], []
                 for event in events:
@@ -578,14 +568,28 @@ def generate(
                         typer.echo(event.text, nl=False)
                 if event.finish_reason == FinishReason.ERROR:
                     raise UserError(f"generation failed: {event.error}")
+                spec = llm.runtime.spec_stats
         finally:
+            if draft_engine is not None:
+                close_engine(draft_engine)
             close_engine(engine)  # a multi-rank engine's ranks stop here
     if stream and not json_out:
         typer.echo("")
         return
     text = "".join(pieces)
     result = {"prompt": prompt, "text": text, "tokens": ids, "finish_reason": event.finish_reason}
+    if speculation is not None:  # on stderr: stdout is the same as without speculation
+        console.info(_spec_line(speculation.method, spec))
     _emit(result, json_out, [text])
+
+
+def _spec_line(method: str, stats: SpecStats) -> str:
+    rate, mal = stats.acceptance_rate, stats.mean_accepted_length
+    return (
+        f"speculation ({method}): {stats.drafts} drafts, {stats.accepted}/{stats.draft_tokens} drafted tokens "
+        f"accepted ({'-' if rate is None else f'{100 * rate:.1f} %'}), mean accepted length "
+        f"{'-' if mal is None else f'{mal:.2f}'}"
+    )
 
 
 def _logit_bias(pairs: list[str]) -> tuple[tuple[int, float], ...]:
@@ -640,19 +644,60 @@ def bench_(
         typer.Option("--allow-failures", help="Exit 0 even when requests fail (they are listed with the reason)."),
     ] = False,
     plot: Annotated[Path | None, typer.Option("--plot", help="Write KV-cache utilization over time (SVG).")] = None,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help='With --ngram/--draft: JSONL of {"prompt": ...} or {"text": ...} put, cycled, on the trace\'s '
+            "arrivals and output lengths. A trace's own prompts are random ids: what speculation gains on them is "
+            "not what it gains on text.",
+            rich_help_panel="Speculative decoding",
+        ),
+    ] = None,
+    rounds: Annotated[
+        int,
+        typer.Option(
+            "--rounds",
+            min=1,
+            help="With --ngram/--draft: interleaved rounds of the plain and the speculative replay (medians).",
+            rich_help_panel="Speculative decoding",
+        ),
+    ] = 1,
     json_out: JsonOpt = False,
 ) -> None:
     """Replay a request trace with its real arrival times; report throughput, TTFT, TPOT, queue time, preemptions,
-    prefix-cache hits. Exits 1 when any request fails, unless --allow-failures."""
-    from toolchain.engine.api import close_engine, open_engine
-    from toolchain.runtime.replay import replay, table, utilization_svg
+    prefix-cache hits. Exits 1 when any request fails, unless --allow-failures. With --ngram or --draft: the trace
+    replayed without and with speculation, both results, their ratio, acceptance, mean accepted length and a
+    projected GPU speedup (labelled as such: a CPU run cannot measure it)."""
+    from toolchain.engine.api import close_engine, load_tokenizer, open_engine
+    from toolchain.runtime.replay import (
+        compare_speculation,
+        read_prompts,
+        replay,
+        speculation_table,
+        table,
+        utilization_svg,
+        with_prompts,
+    )
     from toolchain.runtime.scheduler import POLICIES
     from toolchain.runtime.traces import load_trace
 
     with _handled():
         if policy not in POLICIES:
             raise UserError(f"--policy {policy!r}: choose {' or '.join(POLICIES)}")
+        config = spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens)
+        if config is None and (prompts is not None or rounds != 1):
+            raise UserError("--prompts and --rounds compare speculation against plain decoding: add --ngram or --draft")
+        if config is not None and (static or plot):
+            raise UserError("--static and --plot are for a plain replay: drop them with --ngram/--draft")
+        texts = read_prompts(prompts) if prompts is not None else None
         engine = open_engine(engine_dir)
+        draft_engine = None
         try:
             limits = engine.spec.limits
             requests, scale = load_trace(
@@ -661,14 +706,50 @@ def bench_(
             console.info(
                 f"replaying {len(requests)} requests of {trace.name} (lengths x {scale:.4f}, rate x {rate_scale})"
             )
-            r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
+            if config is not None:
+                config, draft_engine = speculation_from_options(
+                    engine, ngram, ngram_min, ngram_max, draft, num_speculative_tokens
+                )
+                assert config is not None
+                source = "the trace's (random ids)"
+                if texts is not None:
+                    tok = load_tokenizer(engine_dir)
+                    ids = [list(tok.encode(t)) for t in texts]
+                    requests = with_prompts(requests, ids, limits.max_seq_len)
+                    source = f"{prompts} ({len(texts)} texts, cycled)"
+                r = compare_speculation(
+                    engine,
+                    requests,
+                    config,
+                    draft_engine,
+                    rounds,
+                    policy=policy,
+                    num_blocks=kv_blocks or None,
+                    prefix_sharing=prefix_sharing,
+                )
+                r.update(prompts=source, draft=str(draft) if draft is not None else None)
+            else:
+                r = replay(engine, requests, policy, kv_blocks or None, static, prefix_sharing)
         finally:
+            if draft_engine is not None:
+                close_engine(draft_engine)
             close_engine(engine)  # a multi-rank engine's ranks stop here
         r["settings"].update(max_requests=max_requests, rate_scale=rate_scale, max_gap_s=max_gap_s, seed=0)
         cut = [q.gap_cut_s for q in requests if q.gap_cut_s > 0]
         r.update(trace=str(trace), length_scale=scale, gaps_cut=len(cut), gap_seconds_cut=sum(cut))
         if plot:
             utilization_svg(r["kv_utilization"], plot, f"KV blocks in use, {trace.name}")
+    if config is not None:
+        _emit(r, json_out, speculation_table(r))
+        lost = [(side, r[side]) for side in ("plain", "speculative") if r[side]["not_completed"]]
+        if lost and not allow_failures:
+            side, run = lost[0]
+            reason = next(iter(run["failure_reasons"]), "unknown")
+            raise UserError(
+                f"{side} replay: {run['not_completed']} of {run['requests']} requests did not complete (first "
+                f"reason: {reason}); fix the engine or trace, or pass --allow-failures to accept"
+            )
+        return
     _emit(r if json_out else {k: v for k, v in r.items() if k != "kv_utilization"}, json_out, table(r))
     if r["not_completed"] and not allow_failures:
         reason = next(iter(r["failure_reasons"]), "unknown")
@@ -723,10 +804,16 @@ def serve(
             "default: detected from the chat template, printed at start-up.",
         ),
     ] = None,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    draft: DraftOpt = None,
+    num_speculative_tokens: SpecTokensOpt = None,
 ) -> None:
     """Serve an engine over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, /v1/models), vLLM's
     /tokenize, /detokenize and /tokenizer_info, /version, health and readiness probes, Prometheus metrics under vLLM's
-    names, API keys, per-key rate limits and graceful drain."""
+    names, API keys, per-key rate limits and graceful drain. With --ngram or --draft the server speculates (greedy
+    output unchanged) and exposes vLLM's vllm:spec_decode_* counters."""
     from toolchain.serve.app import ServeOptions
     from toolchain.serve.server import serve as run_server
 
@@ -741,6 +828,8 @@ def serve(
             served_model_name,
             log_requests,
             tool_call_parser=tool_call_parser,
+            speculation=spec_config(ngram, ngram_min, ngram_max, draft, num_speculative_tokens),
+            draft=draft,
         )
         run_server(engine_dir, options)
 
@@ -782,11 +871,11 @@ def diff_(
             "new_acceptance_rate_min, acceptance_ratio_vs_old_min (repeatable); a failure exits 3.",
         ),
     ] = None,
-    ngram: SpecNgramOpt = False,
-    ngram_min: SpecNgramMinOpt = None,
-    ngram_max: SpecNgramMaxOpt = None,
+    ngram: NgramOpt = False,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     num_speculative_tokens: SpecTokensOpt = None,
-    draft: SpecDraftOpt = None,
+    draft: DraftOpt = None,
     changes_only: Annotated[
         bool, typer.Option("--changes-only", help="Only what changed, from the manifests (no model run).")
     ] = False,

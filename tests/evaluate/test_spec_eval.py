@@ -104,10 +104,10 @@ def test_spec_options_are_refused_before_any_work(cli: Any, stories: Path, tmp_p
     engine = tmp_path / "no-engine"  # never opened: every refusal comes first
     base = ["eval", engine, "--reference", stories, "--data", WIKI / "test.txt", "-o", tmp_path / "r"]
     cases = {
-        ("--ngram", "--draft", tmp_path): "--ngram and --draft both given",
+        ("--ngram", "--draft", tmp_path): "choose one proposer",
         ("--ngram-min", 3): "add --ngram",
         ("--num-speculative-tokens", 3): "needs a proposer",
-        ("--ngram", "--ngram-min", 5, "--ngram-max", 3): "prompt_lookup_min 5, prompt_lookup_max 3",
+        ("--ngram", "--ngram-min", 5, "--ngram-max", 3): "--ngram-min 5 > --ngram-max 3",
     }
     for extra, message in cases.items():
         line = one_line_error(cli(*base, *extra))

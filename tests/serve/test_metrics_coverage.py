@@ -1,12 +1,12 @@
 """vLLM's metric set on a trtbuild server: every series vLLM's Grafana dashboards query (the list in
 data/vllm_dashboard_metrics.txt, with its sources) is exposed with vLLM's type, buckets and labels, or is named in
-metrics.ABSENT with the reason, or is a speculative-decoding series pending issue 30; and after a known workload the
-values are what that workload implies. Plus GET /tokenizer_info in vLLM's shape, as lm-eval's remote tokenizer reads
-it.
+metrics.ABSENT with the reason, or is a speculative-decoding series, exposed (as vLLM's) only by a server that
+speculates and checked on one; and after a known workload the values are what that workload implies. Plus GET
+/tokenizer_info in vLLM's shape, as lm-eval's remote tokenizer reads it.
 
 The expected types, buckets and labels below are transcribed from vLLM 0.34.0 (git 62d4bc3c7)
-vllm/v1/metrics/loggers.py and buckets.py independently of toolchain/serve/metrics.py's table, so a slip in either
-shows.
+vllm/v1/metrics/loggers.py and buckets.py (speculation's from vllm/v1/spec_decode/metrics.py) independently of
+toolchain/serve/metrics.py's table, so a slip in either shows.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from tests.serve.helpers import (  # the in-process server helpers (fixtures: te
     running,
 )
 from toolchain.runtime.request import Request, SamplingParams, Status
-from toolchain.serve.metrics import ABSENT, PENDING_SPEC_DECODE
+from toolchain.runtime.speculative import SpecConfig
+from toolchain.serve.metrics import ABSENT, SPEC_DECODE_EXPOSED
 
 DASHBOARD = Path(__file__).parent / "data" / "vllm_dashboard_metrics.txt"
 
@@ -82,6 +83,15 @@ VLLM: dict[str, tuple[str, list[float] | None, set[str]]] = {
     "vllm:request_num_preemptions": ("histogram", [1, 2, 3, 4, 5, 10, 20], set()),
     "vllm:request_prefill_kv_computed_tokens": ("histogram", TOKENS, set()),
 }
+# vllm/v1/spec_decode/metrics.py SpecDecodingProm: registered only with a speculative config; per_pos's children
+# are positions "0".."num_speculative_tokens - 1"
+SPEC_DECODE: dict[str, tuple[str, list[float] | None, set[str]]] = {
+    "vllm:spec_decode_num_drafts_total": ("counter", None, set()),
+    "vllm:spec_decode_num_draft_tokens_total": ("counter", None, set()),
+    "vllm:spec_decode_num_accepted_tokens_total": ("counter", None, set()),
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total": ("counter", None, {"position"}),
+}
+SPEC_K = 3
 # vLLM 0.34.0 config/cache.py CacheConfig fields (metrics_info() = every field, as strings) and the label values
 # each field names; cache_config_info may carry a subset, never a label vLLM's has not
 CACHE_CONFIG_FIELDS = {
@@ -114,6 +124,12 @@ def fresh(engine_dir: Path) -> Iterator[Running]:
         yield r
 
 
+@pytest.fixture(scope="module")
+def speculating(engine_dir: Path) -> Iterator[Running]:
+    with running(engine_dir, speculation=SpecConfig("ngram", SPEC_K)) as r:
+        yield r
+
+
 def dashboard_names() -> list[str]:
     lines = DASHBOARD.read_text().splitlines()
     return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
@@ -133,8 +149,8 @@ def test_the_dashboard_list_and_the_exceptions_agree() -> None:
     names = dashboard_names()
     assert len(names) == len(set(names)) == 70 and names == sorted(names)
     assert set(ABSENT) <= set(names), set(ABSENT) - set(names)  # no stale excuse
-    assert set(PENDING_SPEC_DECODE) == {n for n in names if n.startswith("vllm:spec_decode_")}
-    assert not set(ABSENT) & set(PENDING_SPEC_DECODE)
+    assert set(SPEC_DECODE_EXPOSED) == set(SPEC_DECODE) == {n for n in names if n.startswith("vllm:spec_decode_")}
+    assert not set(ABSENT) & set(SPEC_DECODE_EXPOSED)
     assert all(reason.strip() for reason in ABSENT.values())
 
 
@@ -142,7 +158,7 @@ def test_every_dashboard_metric_is_exposed_as_vllm_defines_it(fresh: Running) ->
     families = exposed(fresh.metrics())
     checked = 0
     for name in dashboard_names():
-        if name in ABSENT or name in PENDING_SPEC_DECODE:
+        if name in ABSENT or name in SPEC_DECODE:  # speculation's: absent without it, as vLLM's
             assert name not in families, f"{name} is exposed but listed as absent: drop it from the list"
             continue
         assert name in families, f"vLLM's dashboards query {name}: expose it or list it in metrics.ABSENT"
@@ -163,10 +179,25 @@ def test_every_dashboard_metric_is_exposed_as_vllm_defines_it(fresh: Running) ->
             bounds = sorted({float(s.labels["le"]) for s in samples if s.name == name + "_bucket"})
             assert bounds == [*map(float, buckets), float("inf")], f"{name}: buckets {bounds}"
         checked += 1
-    assert checked == 30  # the dashboards' implementable set: 70 names, 35 absent, 4 pending #30, cache_config_info
+    assert checked == 30  # 70 names: 35 absent, 4 speculation's (checked below), cache_config_info (its own test)
     # and the metrics vLLM has that no dashboard queries, which the issue asks for too
     for name in set(VLLM) - set(dashboard_names()):
         assert families[name][0] == VLLM[name][0], name
+
+
+def test_a_speculating_server_exposes_the_spec_decode_series_as_vllm_defines_them(speculating: Running) -> None:
+    families = exposed(speculating.metrics())
+    for name, (kind, _, extra) in SPEC_DECODE.items():
+        assert name in families, f"vLLM's speculative-decoding dashboard queries {name}"
+        got_kind, samples = families[name]
+        assert got_kind == kind, f"{name}: {got_kind}, vLLM's is a {kind}"
+        for s in samples:
+            assert set(s.labels) == {"model_name", "engine", *extra}, f"{name}: labels {sorted(s.labels)}"
+            assert s.labels["model_name"] == MODEL and s.labels["engine"] == "0", f"{name}: {s.labels}"
+        want = {str(i) for i in range(SPEC_K)} if extra else {""}  # children pre-created, one per position
+        assert {s.labels.get("position", "") for s in samples} == want, f"{name}: {samples}"
+    # the rest of the set is the same with speculation on
+    assert {n for n in VLLM if n in exposed(speculating.metrics())} == set(VLLM)
 
 
 def test_cache_config_info_says_what_the_pool_is(fresh: Running) -> None:

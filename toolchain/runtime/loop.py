@@ -198,6 +198,7 @@ class Runtime:
                 len(request.generated),
                 logprob,
                 prompt_lps,
+                self.steps,
             )
             self._outbox.append((request, event))
 

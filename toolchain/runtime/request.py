@@ -156,6 +156,9 @@ class TokenEvent:
     logprob: TokenLogprob | None = None  # the new token's, when its request asked for logprobs
     # on the request's first event, when it asked for prompt_logprobs: one per prompt position, None for the first
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # the runtime step that emitted it (Runtime.steps): with speculation several tokens share a step, and vLLM's
+    # inter-token latency is observed per step, not per token
+    step: int = 0
 
     @property
     def finished(self) -> bool:

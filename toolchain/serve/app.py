@@ -41,6 +41,7 @@ from toolchain import __version__
 from toolchain.engine.api import Engine
 from toolchain.runtime.llm_engine import EngineFailed, LLMEngine, RequestStream, engine_health
 from toolchain.runtime.request import FinishReason, SamplingParams, TokenEvent, TokenLogprob
+from toolchain.runtime.speculative import SpecConfig
 from toolchain.serve import (
     DEFAULT_DRAIN_TIMEOUT_S,
     DEFAULT_HOST,
@@ -106,6 +107,8 @@ class ServeOptions:
     log_requests: bool = False
     heartbeat_timeout: float = 60.0  # /health fails when a step has run longer than this
     tool_call_parser: str | None = None  # --tool-call-parser; None: detected from the chat template (serve/tools.py)
+    speculation: SpecConfig | None = None  # issue 30: n-gram or draft-target speculative decoding
+    draft: Path | None = None  # the draft engine's dir (speculation.method == "draft"), opened by server.prepare
 
 
 @dataclass
@@ -119,6 +122,7 @@ class _Admitted:
     arrived: float
     stream: RequestStream
     token_times: list[float] = field(default_factory=list)
+    token_steps: list[int] = field(default_factory=list)  # the runtime step that emitted each token
     text: list[str] = field(default_factory=list)
     final: TokenEvent | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the generated tokens', when asked
@@ -135,11 +139,19 @@ class _Admitted:
 class ServerState:
     """Everything the routes share: the engine loop, keys and limits, metrics, readiness and drain."""
 
-    def __init__(self, engine: Engine, tokenizer: Any, options: ServeOptions, keys: list[ApiKey] | None):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer: Any,
+        options: ServeOptions,
+        keys: list[ApiKey] | None,
+        draft_engine: Engine | None = None,
+    ):
         self.engine, self.spec, self.tokenizer, self.options = engine, engine.spec, tokenizer, options
+        self.draft_engine = draft_engine  # closed with the engine
         self.model_name = options.served_model_name or engine.spec.engine_dir.resolve().name
         self.manifest = _read_manifest(engine.spec.engine_dir)
-        self.llm = LLMEngine(engine, tokenizer)
+        self.llm = LLMEngine(engine, tokenizer, speculation=options.speculation, draft_engine=draft_engine)
         self.metrics = Metrics(engine.spec, self.model_name, self.llm.runtime)
         self.llm.on_step = self.metrics.observe_step
         self.keyring = KeyRing(keys) if keys else None
@@ -182,9 +194,10 @@ class ServerState:
             if self._engine_closed:
                 return
             self._engine_closed = True
-            close = getattr(self.engine, "close", None)
-            if callable(close):
-                close()
+            for engine in (self.engine, self.draft_engine):
+                close = getattr(engine, "close", None)
+                if callable(close):
+                    close()
 
     def _probe_token(self) -> int:
         bos = getattr(self.tokenizer, "bos_token_id", None)
@@ -811,6 +824,7 @@ async def _events(state: ServerState, a: _Admitted, request: Request) -> AsyncIt
             continue
         if event.token is not None:
             a.token_times.append(time.monotonic())
+            a.token_steps.append(event.step)
         if event.logprob is not None:
             a.logprobs.append(event.logprob)
         if event.prompt_logprobs is not None:
@@ -969,7 +983,7 @@ def _finish(state: ServerState, a: _Admitted) -> None:
     state.metrics.key_tokens.labels(a.key_id, "prompt").inc(len(a.prompt_ids))
     state.metrics.key_tokens.labels(a.key_id, "generation").inc(generated)
     if a.stream.request is not None:
-        state.metrics.observe_request(a.stream.request, reason.openai, a.arrived, a.token_times)
+        state.metrics.observe_request(a.stream.request, reason.openai, a.arrived, a.token_times, a.token_steps)
     line: dict[str, Any] = {
         "event": "request",
         "id": a.id,
@@ -981,6 +995,9 @@ def _finish(state: ServerState, a: _Admitted) -> None:
         "ttft_s": round(a.token_times[0] - a.arrived, 6) if a.token_times else None,
         "e2e_s": round(time.monotonic() - a.arrived, 6),
     }
+    if state.options.speculation is not None and a.stream.request is not None:
+        spec = a.stream.request.spec  # vLLM's counting (runtime/speculative.py SpecStats)
+        line.update(spec_drafts=spec.drafts, spec_draft_tokens=spec.draft_tokens, spec_accepted_tokens=spec.accepted)
     if state.options.log_requests:  # text only when asked: prompts are the users' data
         line["prompt"] = state.tokenizer.decode(a.prompt_ids) if state.tokenizer is not None else a.prompt_ids
         line["output"] = "".join(a.text)

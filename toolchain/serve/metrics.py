@@ -26,6 +26,7 @@ from toolchain import __version__
 from toolchain.engine.api import EngineSpec
 from toolchain.runtime.loop import Runtime
 from toolchain.runtime.request import Request, Status
+from toolchain.runtime.speculative import SpecStats
 
 # no `_created` series beside every counter: vLLM's exposition has none either
 disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -227,13 +228,20 @@ ABSENT: dict[str, str] = {
     },
 }  # fmt: skip
 
-# Speculative decoding is issue 30's: these stay absent until it lands (the coverage test names them).
-PENDING_SPEC_DECODE = (
-    "vllm:spec_decode_num_drafts_total",
-    "vllm:spec_decode_num_draft_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_total",
-    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
-)
+# Speculative decoding (issue 30), vllm/v1/spec_decode/metrics.py `SpecDecodingProm`: registered only when the
+# server speculates (vLLM's `spec_decoding_enabled`), counters with the engine's labels; per_pos has `position` too,
+# one child per drafted position "0".."k-1" created at start. Semantics: runtime/speculative.py SpecStats.
+SPEC_DECODE_FAMILIES = (
+    Family("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts."),
+    Family("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens."),
+    Family("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens."),
+    Family(
+        "vllm:spec_decode_num_accepted_tokens_per_pos", "counter", "Accepted tokens per draft position.",
+        extra=("position",),
+    ),
+)  # fmt: skip
+# as exposed (counters end in _total): present only on a speculating server
+SPEC_DECODE_EXPOSED = tuple(f"{f.name}_total" for f in SPEC_DECODE_FAMILIES)
 
 _KINDS = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
 
@@ -263,6 +271,16 @@ class Metrics:
         self.cached_by = {
             s: self.families["vllm:prompt_tokens_cached_by_source"].labels(*m, s) for s in CACHE_HIT_SOURCES
         }
+        self.spec_k = 0  # drafted positions per step at most; 0: the server does not speculate
+        self._seen_spec = SpecStats()
+        if runtime.speculation is not None:
+            self.spec_k = runtime.speculation.num_speculative_tokens
+            for f in SPEC_DECODE_FAMILIES:
+                self.families[f.name] = Counter(f.name, f.doc, ["model_name", "engine", *f.extra], registry=r)
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                self.c[f"spec_decode_{name}"] = self.families[f"vllm:spec_decode_{name}"].labels(*m)
+            per_pos = self.families["vllm:spec_decode_num_accepted_tokens_per_pos"]
+            self.spec_per_pos = [per_pos.labels(*m, str(i)) for i in range(self.spec_k)]
         for state in SLEEP_STATES:  # no sleep mode: always awake (vLLM's record_sleep_state for an awake engine)
             self.families["vllm:engine_sleep_state"].labels(*m, state).set(1 if state == "awake" else 0)
 
@@ -325,18 +343,43 @@ class Metrics:
             self.c["prefix_cache_hits"].inc(hits)
             self.cached_by["device"].inc(hits)  # vLLM counts every local hit as the device tier's
             self._seen_queries, self._seen_hits = blocks.prefix_queries, blocks.prefix_hits
+        if self.spec_k and rt.spec_stats.drafts > self._seen_spec.drafts:
+            self._observe_spec(rt.spec_stats)
         if rt.steps > self._seen_steps:  # the loop runs at most one step per turn
             self.c["iteration_tokens_total"].observe(rt.step_tokens)
             self._seen_steps = rt.steps
 
-    def observe_request(self, request: Request, finish_reason: str, arrived: float, token_times: list[float]) -> None:
+    def _observe_spec(self, stats: SpecStats) -> None:
+        """Add the runtime's speculation counters since the last call (vLLM's `SpecDecodingProm.observe`)."""
+        seen = self._seen_spec
+        self.c["spec_decode_num_drafts"].inc(stats.drafts - seen.drafts)
+        self.c["spec_decode_num_draft_tokens"].inc(stats.draft_tokens - seen.draft_tokens)
+        self.c["spec_decode_num_accepted_tokens"].inc(stats.accepted - seen.accepted)
+        for i, child in enumerate(self.spec_per_pos):
+            now = stats.per_pos[i] if i < len(stats.per_pos) else 0
+            before = seen.per_pos[i] if i < len(seen.per_pos) else 0
+            if now > before:
+                child.inc(now - before)
+        self._seen_spec = SpecStats(stats.drafts, stats.draft_tokens, stats.accepted, list(stats.per_pos))
+
+    def observe_request(
+        self,
+        request: Request,
+        finish_reason: str,
+        arrived: float,
+        token_times: list[float],
+        token_steps: list[int] | None = None,
+    ) -> None:
         """A request that ran has ended. `arrived`: when the server received it; `token_times`: when each of its
-        tokens reached the server (time.monotonic, as the runtime's clock).
+        tokens reached the server (time.monotonic, as the runtime's clock); `token_steps`: the runtime step that
+        emitted each (TokenEvent.step).
 
         As vLLM's stats.py: TTFT, ITL and e2e from the server's side (arrival and token receipt), the phases from
         the engine loop's (queued, first scheduled, first and last token): queue = scheduled - queued, prefill =
         first token - scheduled, decode = last token - first token, inference = last token - scheduled, time per
-        output token = decode / (tokens - 1)."""
+        output token = decode / (tokens - 1). ITL is one observation per engine step that gave the request tokens
+        (vLLM's `IterationStats` per engine-core output, not per token): with speculation a step's several tokens
+        are one gap, measured from the first token of each step."""
         c, prompt, generated, cached = self.c, len(request.prompt), len(request.generated), request.num_cached
         c["prompt_tokens"].inc(prompt)
         c["generation_tokens"].inc(generated)
@@ -358,7 +401,10 @@ class Metrics:
         if end is not None:
             c["time_to_first_token_seconds"].observe(token_times[0] - arrived)
             c["e2e_request_latency_seconds"].observe(end - arrived)
-        for a, b in itertools.pairwise(token_times):
+        step_times = token_times
+        if token_steps is not None and len(token_steps) == len(token_times):
+            step_times = [t for k, t in enumerate(token_times) if k == 0 or token_steps[k] != token_steps[k - 1]]
+        for a, b in itertools.pairwise(step_times):
             c["inter_token_latency_seconds"].observe(b - a)
         scheduled, first = request.first_scheduled, request.first_token
         if scheduled is None:

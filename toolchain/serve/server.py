@@ -36,12 +36,13 @@ from typing import Any
 import uvicorn
 
 from toolchain import console
-from toolchain.engine.api import load_tokenizer, open_engine
+from toolchain.engine.api import close_engine, load_tokenizer, open_engine
 from toolchain.errors import UserError
 from toolchain.parallel.launch import under_torchrun
 from toolchain.serve import EXIT_ENGINE_FAILED, tools
 from toolchain.serve.app import ServeOptions, ServerState, create_app, start_warm_up
 from toolchain.serve.auth import read_keys
+from toolchain.speculation_cli import open_draft
 
 WATCH_INTERVAL_S = 0.25  # how often the watchdog asks the engine's health
 FAILURE_LINGER_S = 2.0  # after a rank failure: probes read the reason, in-flight streams get their error events
@@ -104,6 +105,9 @@ def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
             f"--host {options.host}: without --api-keys the server only listens on loopback (127.0.0.1, ::1); "
             "anyone who can reach it could use the engine. Pass --api-keys FILE to serve beyond this machine"
         )
+    spec = options.speculation
+    if spec is not None and (spec.method == "draft") != (options.draft is not None):
+        raise UserError(f"speculation {spec.method!r} with draft {options.draft}: --draft DIR goes with method draft")
     keys = read_keys(options.api_keys) if options.api_keys is not None else None
     if options.max_queue < 1 or options.request_timeout <= 0 or options.drain_timeout < 0:
         raise UserError("--max-queue >= 1, --request-timeout > 0 and --drain-timeout >= 0")
@@ -113,12 +117,21 @@ def prepare(engine_dir: Path, options: ServeOptions) -> ServerState:
         except ValueError as e:
             raise UserError(str(e)) from None
     engine = open_engine(engine_dir)  # refuses an engine that is not what its manifest says (exit 4)
+    draft = None
     try:
-        tokenizer: Any = load_tokenizer(engine_dir)
-    except UserError as e:
-        console.warn(f"{e}: serving token-id prompts only")
-        tokenizer = None
-    return ServerState(engine, tokenizer, options, keys)
+        if options.draft is not None:  # opened and checked against the engine (same tokenizer, limits)
+            draft = open_draft(engine, options.draft)
+        try:
+            tokenizer: Any = load_tokenizer(engine_dir)
+        except UserError as e:
+            console.warn(f"{e}: serving token-id prompts only")
+            tokenizer = None
+        return ServerState(engine, tokenizer, options, keys, draft)
+    except BaseException:
+        for opened in (draft, engine):
+            if opened is not None:
+                close_engine(opened)
+        raise
 
 
 class DrainingServer(uvicorn.Server):
@@ -218,9 +231,17 @@ def serve(engine_dir: Path, options: ServeOptions) -> None:
     start_warm_up(state)
     spec, m = state.spec, state.spec.mapping
     ranks = f", {m.world_size} ranks: tp={m.tp_size} pp={m.pp_size}" if m.world_size > 1 else ""
+    sc, speculating = options.speculation, ""
+    if sc is not None:
+        how = (
+            f"n-gram [{sc.prompt_lookup_min}, {sc.prompt_lookup_max}]"
+            if sc.method == "ngram"
+            else f"draft {options.draft}"
+        )
+        speculating = f", speculating: {how}, k {sc.num_speculative_tokens}"
     console.info(
-        f"serving {state.model_name!r} ({spec.architecture}, {spec.quant_algo}, {spec.backend}{ranks}, engine "
-        f"{(spec.manifest_sha256 or '?')[:12]}) on http://{options.host}:{options.port} "
+        f"serving {state.model_name!r} ({spec.architecture}, {spec.quant_algo}, {spec.backend}{ranks}{speculating}, "
+        f"engine {(spec.manifest_sha256 or '?')[:12]}) on http://{options.host}:{options.port} "
         f"({'API keys required' if state.keyring else 'no API keys: loopback only'})"
     )
     console.info(state.tool_parser_note)
