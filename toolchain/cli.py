@@ -221,9 +221,7 @@ def _layer_list(text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",")]
     except ValueError:
-        raise UserError(
-            f"--layers {text!r}: expected comma-separated layer numbers, e.g. --layers 0,1,2,4"
-        ) from None
+        raise UserError(f"--layers {text!r}: expected comma-separated layer numbers, e.g. --layers 0,1,2,4") from None
 
 
 # the quantization registry's names (toolchain/quantize/methods/__init__.py: no torch at CLI start-up)
