@@ -219,6 +219,42 @@ def test_catch_up_past_the_drafts_token_budget_drafts_nothing_that_step(
     assert d is not None and d.tokens == alone(draft, r.tokens, 2)
 
 
+def test_a_sampled_request_drafts_from_the_drafts_own_distribution(draft: Engine, prompts: list[list[int]]) -> None:
+    """temperature > 0: each drafted token is drawn from q = the draft's softmax at the request's temperature (top-k
+    applied as `sampler.sample` applies it), q's rows come with the draft for the acceptance rule, and the draws
+    follow the request's seed."""
+    import numpy as np
+    import torch
+
+    def drafted(seed: int, **params: Any) -> Draft:
+        proposer = DraftProposer(SpecConfig("draft", num_speculative_tokens=3), draft)
+        r = Request(prompts[2], SamplingParams(temperature=0.8, seed=seed, **params))
+        r.blocks = list(range(8))
+        r.num_computed = len(r.tokens) - 1
+        (d,) = proposer.propose([Scheduled(r, r.tokens[-1:], r.num_computed, spec=3)])
+        assert d is not None
+        return d
+
+    d = drafted(5)
+    assert d.probs is not None and d.probs.shape == (3, draft.vocab_size)
+    # the draft's rows, fed as the proposer feeds them: the prompt, then each drafted token
+    n = len(prompts[2]) + 3
+    blocks = list(range(-(-n // draft.tokens_per_block)))
+    pool = draft.new_kv_cache(len(blocks))
+    feed, at = list(prompts[2]), 0
+    for j, token in enumerate(d.tokens):
+        logits = draft.forward(Batch.from_sequences([feed], [at], [blocks]), pool)[0]
+        want = torch.softmax(torch.from_numpy(logits.astype(np.float64)) / 0.8, -1).numpy()
+        np.testing.assert_allclose(d.probs[j], want, rtol=1e-12, atol=0)  # the same float32 row, float64 rounding
+        assert d.probs[j][token] > 0
+        feed, at = [token], at + len(feed)
+    assert drafted(5).tokens == d.tokens  # the seed decides the draws
+    assert len({tuple(drafted(s).tokens) for s in range(6)}) > 1  # and they are draws
+    top1 = drafted(7, top_k=1)  # top-k 1 leaves the argmax alone: q one-hot on it
+    assert top1.probs is not None and (top1.probs.max(axis=1) == 1.0).all()
+    assert top1.tokens == alone(draft, prompts[2], 3)
+
+
 # -- refusals ---------------------------------------------------------------------------------------------------
 
 
