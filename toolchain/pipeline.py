@@ -419,7 +419,7 @@ def _speculation(recipe: Recipe, tmp: Path) -> dict[str, Any]:
     if options is None:  # eval learns to speculate in slice A (issue 30); until then the section cannot be scored
         raise UserError("speculative: this trtbuild's eval cannot speculate yet; drop the eval or speculative section")
     config = SpecConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
-    return {"spec": options(config, tmp / STAGE_DIRS["draft"] if s.method == "draft" else None)}
+    return {"speculation": options(config, tmp / STAGE_DIRS["draft"] if s.method == "draft" else None)}
 
 
 def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> EvalResult:
