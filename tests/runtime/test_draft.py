@@ -219,6 +219,27 @@ def test_catch_up_past_the_drafts_token_budget_drafts_nothing_that_step(
     assert d is not None and d.tokens == alone(draft, r.tokens, 2)
 
 
+def test_the_draft_pool_grows_to_the_runtimes_block_ids(draft: Engine, prompts: list[list[int]]) -> None:
+    """A runtime pool larger than the draft engine's default (`Runtime(num_blocks=...)`): the draft pool grows to
+    hold the highest block id, keeping what it held."""
+    proposer = DraftProposer(SpecConfig("draft", num_speculative_tokens=2), draft)
+    have = proposer.pool.shape[1]
+    low, high = Request(prompts[3]), Request(prompts[4])
+    for r, first in ((low, 0), (high, have + 5)):
+        r.blocks = list(range(first, first + 8))
+        r.num_computed = len(r.tokens) - 1
+    (d,) = proposer.propose([Scheduled(low, low.tokens[-1:], low.num_computed, spec=2)])
+    (e,) = proposer.propose([Scheduled(high, high.tokens[-1:], high.num_computed, spec=2)])
+    assert proposer.pool.shape[1] == have + 13
+    assert d is not None and e is not None and e.tokens == alone(draft, high.tokens, 2)
+    low.append(d.tokens[0])  # the first draft accepted, then a token of the target's: low's KV survived the growth
+    low.append(d.tokens[0] + 1)
+    low.num_computed = len(low.tokens) - 1
+    assert proposer.progress(low) == len(low.tokens) - 1  # the prompt and the accepted draft: a 1-token catch-up
+    (d2,) = proposer.propose([Scheduled(low, low.tokens[-1:], low.num_computed, spec=2)])
+    assert d2 is not None and d2.tokens == alone(draft, low.tokens, 2)
+
+
 def test_a_sampled_request_drafts_from_the_drafts_own_distribution(draft: Engine, prompts: list[list[int]]) -> None:
     """temperature > 0: each drafted token is drawn from q = the draft's softmax at the request's temperature (top-k
     applied as `sampler.sample` applies it), q's rows come with the draft for the acceptance rule, and the draws

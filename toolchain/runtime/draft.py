@@ -227,7 +227,7 @@ class DraftProposer:
         top = max((max(s.request.blocks, default=-1) for s in scheduled), default=-1) + 1
         have = self.pool.shape[1]
         if top > have:
-            pool = self.draft.new_kv_cache(max(top, 2 * have))
+            pool = self.draft.new_kv_cache(top)
             pool[:, :have] = self.pool
             self.pool = pool
 
