@@ -51,7 +51,6 @@ def test_only_the_draft_and_eval_keys_follow_the_drafts_settings(stories: Path, 
     assert "draft" not in _stage_keys(load_recipe(recipe(tmp_path, stories, "  method: ngram\n")).recipe)
 
 
-@pytest.mark.slow  # ~4 s: three converts, two builds and a quantize of stories260K
 def test_the_draft_stage_builds_a_draft_the_target_accepts(cli: Any, stories: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = cli("run", recipe(tmp_path, stories, DRAFT), "-o", out, "--json")
