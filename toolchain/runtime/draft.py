@@ -12,7 +12,8 @@ prefix included, so acceptance never depends on what the prefix cache happened t
 Per step, call 1 carries every drafting decode's catch-up (1 token, or 2 after a fully accepted draft: the last
 drafted token was never fed to the draft) and yields d1 from its last row; with the token budget left it also
 feeds the prefill chunks the target runs this step (same positions, same blocks), so a long prompt does not land
-on the draft as one catch-up at the first decode. Calls 2..k feed one token per still-drafting sequence. A
+on the draft as one catch-up at the first decode (the runtime calls no proposer in a step without a drafting
+decode: chunks run then are caught up later). Calls 2..k feed one token per still-drafting sequence. A
 catch-up that does not fit the draft's `max_num_tokens` is fed in part and that sequence gets no draft this step.
 Exactness never depends on the draft's KV (the target verifies every drafted token), only acceptance does.
 
