@@ -72,6 +72,15 @@ def test_the_draft_stage_builds_a_draft_the_target_accepts(cli: Any, stories: Pa
     assert open_engine(out / "engine").spec.quant_algo == "none"
 
 
+def test_a_bad_layer_selection_names_the_recipe_key(cli: Any, stories: Path, tmp_path: Path) -> None:
+    done = cli(
+        "run", recipe(tmp_path, stories, "  method: draft\n  draft:\n    layers: [0, 7]\n"), "-o", tmp_path / "o"
+    )
+    assert done.exit_code == 1
+    assert "speculative.draft: --layers 0,7: layer 7 does not exist" in done.stderr, done.stderr
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     "speculative, words",
     [

@@ -386,7 +386,10 @@ def _draft(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
     with tempfile.TemporaryDirectory(prefix=".draft-", dir=tmp) as scratch:
         work = Path(scratch)
         m = recipe.model
-        convert(model, work / "checkpoint", dtype=m.dtype, allow_pickle=m.allow_pickle, layers=draft.layers)
+        try:
+            convert(model, work / "checkpoint", dtype=m.dtype, allow_pickle=m.allow_pickle, layers=draft.layers)
+        except UserError as e:  # convert's words name its flag: say which recipe key set it
+            raise UserError(f"speculative.draft: {e}") from e
         source = work / "checkpoint"
         if draft.quantize is not None:
             q = draft.quantize
