@@ -94,6 +94,25 @@ def test_split_and_prequantized_checkpoints_are_refused(cli: Any, tmp_path: Path
     assert done.exit_code == 1 and "pre-quantized" in done.stderr and "--layers 0,2" in done.stderr, done.stderr
 
 
+def test_moe_dense_layers_are_renumbered(tmp_path: Path) -> None:
+    """Qwen3-MoE's dense layers (`mlp_only_layers`, layer numbers) follow the selection: layer 1 of 3 dense, keeping
+    layers 1 and 2 makes layer 0 dense and layer 1 sparse; keeping 0 and 2 leaves none dense."""
+    from models import QWEN3_MOE, save_random
+
+    from toolchain.checkpoint.trtllm import read_config
+
+    hf = save_random(tmp_path / "hf", "qwen3_moe", **QWEN3_MOE)
+    for layers, dense in (([1, 2], [0]), ([0, 2], [])):
+        out = tmp_path / f"ckpt-{layers[0]}"
+        convert(hf, out, layers=layers)
+        cfg = read_config(out)
+        assert cfg.num_hidden_layers == 2 and cfg.family_fields["mlp_only_layers"] == dense
+        names = set(load_file(out / "rank0.safetensors"))
+        # a dense layer has a gated MLP's gate; a sparse one has the router
+        for i in range(2):
+            assert (f"transformer.layers.{i}.mlp.router.weight" in names) == (i not in dense), (layers, i)
+
+
 def test_per_layer_fields_are_subset(make_llama: Any, tmp_path: Path) -> None:
     """`layer_types` (gpt-oss, gemma3: which layers slide) follows the selection; other per-layer lists refuse."""
     from toolchain.checkpoint.convert import _subset_config, check_layer_selection
@@ -106,6 +125,6 @@ def test_per_layer_fields_are_subset(make_llama: Any, tmp_path: Path) -> None:
     typed = cfg.__class__(**{**cfg.__dict__, "family_fields": {"layer_types": ["a", "b", "c"]}})
     check_layer_selection([0, 2], typed, 1, 1, 1, None, "x")
     assert _subset_config(typed, [0, 2]).family_fields["layer_types"] == ["a", "c"]
-    other = cfg.__class__(**{**cfg.__dict__, "family_fields": {"moe_layers": [1, 0, 1]}})
+    other = cfg.__class__(**{**cfg.__dict__, "family_fields": {"moe_layers": [1]}})
     with pytest.raises(UserError, match="per-layer field 'moe_layers'"):
         check_layer_selection([0, 2], other, 1, 1, 1, None, "x")

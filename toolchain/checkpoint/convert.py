@@ -212,7 +212,7 @@ def check_layer_selection(
             "with --dequantize first"
         )
     for key, value in cfg.family_fields.items():
-        if key == "_sliding_window_pattern" or (key != "layer_types" and isinstance(value, list) and len(value) == n):
+        if key == "_sliding_window_pattern" or (key not in _PER_LAYER and isinstance(value, list)):
             raise UserError(
                 f"--layers {shown}: {cfg.architecture}'s per-layer field {key!r} cannot be subset by trtbuild; "
                 "convert every layer of this model"
@@ -221,9 +221,16 @@ def check_layer_selection(
 
 def _subset_config(cfg: ModelConfig, layers: Sequence[int]) -> ModelConfig:
     fields = dict(cfg.family_fields)
-    if isinstance(fields.get("layer_types"), list):
+    if isinstance(fields.get("layer_types"), list):  # one entry per layer
         fields["layer_types"] = [fields["layer_types"][i] for i in layers]
+    if isinstance(fields.get("mlp_only_layers"), list):  # layer numbers: the kept ones, renumbered
+        fields["mlp_only_layers"] = [layers.index(i) for i in fields["mlp_only_layers"] if i in layers]
     return dataclasses.replace(cfg, num_hidden_layers=len(layers), family_fields=fields)
+
+
+# the family config's per-layer fields `--layers` subsets: gpt-oss / Gemma 3 / Qwen windows' `layer_types`, MoE
+# families' dense layers (moe.py); any other list-valued family field is refused (check_layer_selection)
+_PER_LAYER = ("layer_types", "mlp_only_layers")
 
 
 def _with_excluded(cfg: ModelConfig, made: list[prequant.Made]) -> QuantConfig:
