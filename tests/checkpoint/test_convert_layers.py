@@ -33,6 +33,8 @@ def hf_with_layers(src: Path, layers: Sequence[int], out: Path) -> Path:
             shutil.copy(f, out / f.name)
     config = json.loads((src / "config.json").read_text())
     config["num_hidden_layers"] = len(layers)
+    if config.get("layer_types"):
+        config["layer_types"] = [config["layer_types"][i] for i in layers]
     (out / "config.json").write_text(json.dumps(config))
     kept = {}
     for name, tensor in load_file(src / "model.safetensors").items():
@@ -92,6 +94,22 @@ def test_split_and_prequantized_checkpoints_are_refused(cli: Any, tmp_path: Path
     quantized = modelopt_nvfp4(hf, tmp_path / "q")
     done = cli("convert", quantized, "-o", tmp_path / "c", "--layers", "0,2")
     assert done.exit_code == 1 and "pre-quantized" in done.stderr and "--layers 0,2" in done.stderr, done.stderr
+
+
+def test_gemma3_layers_keep_their_windows(tmp_path: Path) -> None:
+    """Gemma 3 (7 layers, layer 5 global, the others sliding): layers 0, 5 and 6 keep their own windows
+    (`layer_types` subset; the repeating pattern no longer holds and is dropped), checked against transformers'
+    model with those layers over a sequence longer than the window."""
+    from models import GEMMA3, save_random
+
+    hf = save_random(tmp_path / "hf", "gemma3", **GEMMA3)
+    convert(hf, tmp_path / "ckpt", layers=[0, 5, 6])
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
+    assert "_sliding_window_pattern" not in config
+    engine = build(tmp_path / "ckpt", tmp_path / "engine")
+    ids = torch.randint(0, engine.vocab_size, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    assert_matches(run_alone(engine, ids), hf_logits(hf_with_layers(hf, [0, 5, 6], tmp_path / "hf3"), ids))
 
 
 def test_moe_dense_layers_are_renumbered(tmp_path: Path) -> None:

@@ -212,7 +212,8 @@ def check_layer_selection(
             "with --dequantize first"
         )
     for key, value in cfg.family_fields.items():
-        if key == "_sliding_window_pattern" or (key not in _PER_LAYER and isinstance(value, list)):
+        pattern_only = key == "_sliding_window_pattern" and "layer_types" not in cfg.family_fields
+        if pattern_only or (key not in _PER_LAYER and isinstance(value, list)):
             raise UserError(
                 f"--layers {shown}: {cfg.architecture}'s per-layer field {key!r} cannot be subset by trtbuild; "
                 "convert every layer of this model"
@@ -221,8 +222,9 @@ def check_layer_selection(
 
 def _subset_config(cfg: ModelConfig, layers: Sequence[int]) -> ModelConfig:
     fields = dict(cfg.family_fields)
-    if isinstance(fields.get("layer_types"), list):  # one entry per layer
+    if isinstance(fields.get("layer_types"), list):  # one entry per layer; Gemma 3's pattern no longer holds
         fields["layer_types"] = [fields["layer_types"][i] for i in layers]
+        fields.pop("_sliding_window_pattern", None)
     if isinstance(fields.get("mlp_only_layers"), list):  # layer numbers: the kept ones, renumbered
         fields["mlp_only_layers"] = [layers.index(i) for i in fields["mlp_only_layers"] if i in layers]
     return dataclasses.replace(cfg, num_hidden_layers=len(layers), family_fields=fields)
