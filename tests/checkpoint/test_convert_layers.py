@@ -146,3 +146,6 @@ def test_per_layer_fields_are_subset(make_llama: Any, tmp_path: Path) -> None:
     other = cfg.__class__(**{**cfg.__dict__, "family_fields": {"moe_layers": [1]}})
     with pytest.raises(UserError, match="per-layer field 'moe_layers'"):
         check_layer_selection([0, 2], other, 1, 1, 1, None, "x")
+    pattern = cfg.__class__(**{**cfg.__dict__, "family_fields": {"_sliding_window_pattern": 6}})
+    with pytest.raises(UserError, match="per-layer field '_sliding_window_pattern'"):  # which layers slide: unknown
+        check_layer_selection([0, 2], pattern, 1, 1, 1, None, "x")
