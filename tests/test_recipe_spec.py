@@ -61,6 +61,8 @@ def test_the_draft_stage_builds_a_draft_the_target_accepts(cli: Any, stories: Pa
     check_draft(target, draft)
     details = json.loads((out / "draft" / "manifest.json").read_text())["details"]
     assert details["draft"]["layers"] == [0, 1, 2, 4] and details["draft"]["quantize"] is None
+    inputs = json.loads((out / "draft" / "manifest.json").read_text())["inputs"]
+    assert {"config.json", "model.safetensors"} <= {e["path"] for e in inputs if e["root"] == str(stories)}
     assert not any(p.name.startswith(".draft-") for p in out.iterdir())  # the scratch checkpoints are gone
     assert cli("verify", out).exit_code == 0
 

@@ -383,6 +383,8 @@ def _draft(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
         "layers": draft.layers,
         "quantize": draft.quantize.model_dump(mode="json") if draft.quantize is not None else None,
     }
+    # the model the draft comes from, as an input beside the scratch checkpoint build reads (gone after the stage)
+    record.add_inputs(model, [p for p in sorted(model.iterdir()) if p.suffix in (".json", ".safetensors")])
     with tempfile.TemporaryDirectory(prefix=".draft-", dir=tmp) as scratch:
         work = Path(scratch)
         m = recipe.model
