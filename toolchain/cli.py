@@ -201,6 +201,14 @@ def convert(
             "(each linear dequantized; activations and KV cache unquantized) instead of reading its quantization.",
         ),
     ] = False,
+    layers: Annotated[
+        str | None,
+        typer.Option(
+            "--layers",
+            help="Keep only these decoder layers, renumbered 0..n-1 (comma-separated, increasing, e.g. 0,1,2,4): a "
+            "stand-in draft model for speculative decoding (--draft). tp = pp = 1, float checkpoints only.",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Convert a Hugging Face checkpoint into a TensorRT-LLM checkpoint (config.json + rank{N}.safetensors)."""
@@ -218,8 +226,17 @@ def convert(
             workers=workers,
             moe_ep=moe_ep,
             dequantize=dequantize,
+            layers=_layer_list(layers) if layers is not None else None,
         )
     _emit(r.to_json(), json_out, r.lines())
+
+
+def _layer_list(text: str) -> list[int]:
+    """`--layers 0,1,2,4` as integers (their order and range are convert's to check, naming the value)."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--layers {text!r}: expected comma-separated layer numbers, e.g. --layers 0,1,2,4") from None
 
 
 # the quantization registry's names (toolchain/quantize/methods/__init__.py: no torch at CLI start-up)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +40,8 @@ from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
 from toolchain.quantize.results import QuantizeResult
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
-from toolchain.recipe import STAGE_DIRS, LoadedRecipe, Recipe
+from toolchain.recipe import STAGE_DIRS, BuildSection, DraftSection, LoadedRecipe, Recipe
+from toolchain.runtime.speculative import SpecConfig
 
 
 def _digest(*parts: Any) -> str:
@@ -82,24 +84,67 @@ def _stage_keys(recipe: Recipe) -> dict[str, str]:
         keys["quantize"] = _digest(upstream, recipe.seed, settings, _files(q.calib_data, q.eval_data))
         upstream = keys["quantize"]
     if recipe.build is not None:
-        # what `auto` resolves to here, and what a plan is tied to, are inputs of the build too
-        from toolchain.engine import tensorrt_backend
-
-        machine = {"tensorrt": tensorrt_backend.available() is None}
-        if machine["tensorrt"] and recipe.build.backend != "onnxruntime":
-            machine.update(tensorrt_backend.versions())
-        keys["build"] = _digest(upstream, recipe.build.model_dump(mode="json"), machine)
+        keys["build"] = _digest(upstream, recipe.build.model_dump(mode="json"), _machine(recipe.build))
         upstream = keys["build"]
+    draft = recipe.speculative.draft_section() if recipe.speculative is not None else None
+    if draft is not None:  # its own chain: the draft reads the model (or its own), none of the target's stages
+        b = draft_build(recipe, draft)
+        dq = draft.quantize
+        settings = draft.model_dump(mode="json", exclude={"model": True, "build": True, "quantize": QUANTIZE_FILES})
+        quantize = (recipe.seed, _files(dq.calib_data, dq.eval_data)) if dq is not None else None
+        inputs = _files(draft.model or m.path)
+        keys["draft"] = _digest(
+            __version__,
+            _code_digest(),
+            m.dtype,
+            m.allow_pickle,
+            settings,
+            quantize,
+            inputs,
+            b.model_dump(),
+            _machine(b),
+        )
     if recipe.eval is not None:
         e = recipe.eval
         own: dict[str, Any] = {"data": True, "golden": True, "baseline": True, "gates": set(DIFF_GATES)}  # diff's
         settings = e.model_dump(mode="json", exclude=own)
         inputs = _files(e.data, e.golden)  # hashed once for both stages
-        keys["eval"] = _digest(upstream, settings, inputs)
+        spec = recipe.speculative.model_dump(mode="json", exclude={"draft"}) if recipe.speculative else None
+        keys["eval"] = _digest(upstream, settings, inputs, *([spec, keys.get("draft")] if spec else []))
         diff_settings = baseline_settings(e)  # the diff against the released engine: by its manifest, not its path
         if diff_settings is not None:
             keys["diff"] = _digest(upstream, diff_settings.to_json(), inputs)
     return keys
+
+
+QUANTIZE_FILES = {"calib_data": True, "eval_data": True}  # a quantize section's inputs: hashed, not named
+
+
+def _machine(build: BuildSection) -> dict[str, Any]:
+    """What `auto` resolves to here, and what a plan is tied to: inputs of a build too."""
+    from toolchain.engine import tensorrt_backend
+
+    machine: dict[str, Any] = {"tensorrt": tensorrt_backend.available() is None}
+    if machine["tensorrt"] and build.backend != "onnxruntime":
+        machine.update(tensorrt_backend.versions())
+    return machine
+
+
+def draft_build(recipe: Recipe, draft: DraftSection) -> BuildSection:
+    """The draft's build settings: the target's, with the keys the draft's own `build:` sets (runtime/draft.py
+    check_draft refuses a draft with smaller limits or another block size, so those default to the target's)."""
+    if recipe.build is None:
+        raise UserError("speculative: the draft engine is built beside the target: add a 'build:' section")
+    own = draft.build
+    if own is None:
+        return recipe.build
+    update = {k: getattr(own, k) for k in own.model_fields_set}
+    if update.get("tokens_per_block", recipe.build.tokens_per_block) != recipe.build.tokens_per_block:
+        raise UserError(
+            f"speculative.draft.build.tokens_per_block {own.tokens_per_block}: the draft's KV pool is indexed by "
+            f"the target's blocks, so it must be build.tokens_per_block ({recipe.build.tokens_per_block}); drop it"
+        )
+    return recipe.build.model_copy(update=update)
 
 
 def default_report_dir(engine_dir: Path) -> Path:
@@ -183,7 +228,7 @@ def _stage_line(name: str, s: dict[str, Any]) -> str:
         return f" {s.get('architecture')}, {s.get('dtype')}, {s.get('num_parameters', 0):,} parameters"
     if name == "quantize":
         return f" {s.get('quant_algo')}, kv cache {s.get('kv_cache_quant_algo') or 'unquantized'}"
-    if name == "build":
+    if name in ("build", "draft"):
         return f" backend {s.get('backend')}, {s.get('dtype')}"
     if name == "eval":
         q = s.get("quality") or {}
@@ -203,6 +248,8 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
         raise UserError(f"{loaded.path}: no output directory; pass -o OUT_DIR or set 'output:' in the recipe")
     if recipe.eval is not None and recipe.build is None:
         raise UserError(f"{loaded.path}: 'eval' scores an engine; add a 'build:' section (it may be empty)")
+    if recipe.speculative is not None and recipe.build is None:
+        raise UserError(f"{loaded.path}: 'speculative' speculates for an engine; add a 'build:' section")
     resolved, sha = loaded.resolved(), loaded.sha256
     previous_run = out.is_dir() and is_artifact(out) and read_manifest(out)["stage"] == "run"
     previous = out if previous_run and not force else None
@@ -224,6 +271,7 @@ def run_recipe(loaded: LoadedRecipe, out_dir: Path | None, force: bool = False) 
             "convert": lambda r: _convert(recipe, tmp, r),
             "quantize": lambda r: _quantize(recipe, tmp, r),
             "build": lambda r: _build(recipe, tmp, r),
+            "draft": lambda r: _draft(recipe, tmp, r),
             "eval": lambda r: _eval(recipe, tmp, out, r),
             "diff": lambda r: baseline_stage(
                 recipe.eval, tmp / STAGE_DIRS["build"], tmp / STAGE_DIRS["diff"], r, out.resolve() / STAGE_DIRS["build"]
@@ -322,10 +370,68 @@ def _build(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
     return build_engine(source, tmp / STAGE_DIRS["build"], opts, record=record)
 
 
+def _draft(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
+    """The draft engine into `draft/`: convert (its layers), quantize when asked, build; the checkpoints between
+    live in a scratch dir removed after (the stage's artifact is the engine; its manifest records how)."""
+    assert recipe.speculative is not None
+    draft = recipe.speculative.draft_section()
+    assert draft is not None
+    b = draft_build(recipe, draft)
+    model = draft.model or recipe.model.path
+    record.details["draft"] = {
+        "model": str(model),
+        "layers": draft.layers,
+        "quantize": draft.quantize.model_dump(mode="json") if draft.quantize is not None else None,
+    }
+    # the model the draft comes from, as an input beside the scratch checkpoint build reads (gone after the stage)
+    record.add_inputs(model, [p for p in sorted(model.iterdir()) if p.suffix in (".json", ".safetensors")])
+    with tempfile.TemporaryDirectory(prefix=".draft-", dir=tmp) as scratch:
+        work = Path(scratch)
+        m = recipe.model
+        try:
+            convert(model, work / "checkpoint", dtype=m.dtype, allow_pickle=m.allow_pickle, layers=draft.layers)
+        except UserError as e:  # convert's words name its flag: say which recipe key set it
+            raise UserError(f"speculative.draft: {e}") from e
+        source = work / "checkpoint"
+        if draft.quantize is not None:
+            q = draft.quantize
+            opts = QuantizeOptions(
+                q.method,
+                q.kv_cache,
+                q.group_size,
+                q.calib_data,
+                q.calib_samples,
+                q.calib_seq_len,
+                recipe.seed,
+                tuple(q.exclude),
+                q.sq_alpha,
+            )
+            quantize_checkpoint(source, work / "quantized", opts, q.eval_data, q.eval_tokens)
+            source = work / "quantized"
+        opts_b = BuildOptions(b.backend, b.max_batch_size, b.max_num_tokens, b.max_seq_len, b.tokens_per_block)
+        return build_engine(source, tmp / STAGE_DIRS["draft"], opts_b, record=record)
+
+
+def _speculation(recipe: Recipe, tmp: Path) -> dict[str, Any]:
+    """run_eval's speculation for the recipe's `speculative:` section: the runtime's SpecConfig and, for a draft,
+    this run's `draft/` engine (eval's SpecOptions, issue 30 slice A)."""
+    s = recipe.speculative
+    if s is None:
+        return {}
+    from toolchain.evaluate import engine_eval
+
+    options = getattr(engine_eval, "SpecOptions", None)
+    if options is None:  # eval learns to speculate in slice A (issue 30); until then the section cannot be scored
+        raise UserError("speculative: this trtbuild's eval cannot speculate yet; drop the eval or speculative section")
+    config = SpecConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
+    return {"speculation": options(config, tmp / STAGE_DIRS["draft"] if s.method == "draft" else None)}
+
+
 def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> EvalResult:
     e = recipe.eval
     assert e is not None
     gates = {k: v for k, v in e.gates.model_dump().items() if v is not None and k not in DIFF_GATES}
+    speculation = _speculation(recipe, tmp)
     return run_eval(
         tmp / STAGE_DIRS["build"],
         tmp / STAGE_DIRS["eval"],
@@ -336,4 +442,5 @@ def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> EvalResu
         gates,
         record=record,
         engine_label=out.resolve() / STAGE_DIRS["build"],
+        **speculation,
     )

@@ -63,7 +63,14 @@ RecipeLoader.yaml_implicit_resolvers = {  # SafeLoader's, less its YAML 1.1 floa
 RecipeLoader.add_implicit_resolver(_FLOAT_TAG, _FLOAT, list("-+0123456789."))
 
 # stage -> its directory in a `trtbuild run` output dir (pipeline.py writes them, diff.py and inspect read them)
-STAGE_DIRS = {"convert": "checkpoint", "quantize": "quantized", "build": "engine", "eval": "report", "diff": "diff"}
+STAGE_DIRS = {
+    "convert": "checkpoint",
+    "quantize": "quantized",
+    "build": "engine",
+    "draft": "draft",  # issue 30: the draft engine of draft-target speculation
+    "eval": "report",
+    "diff": "diff",
+}
 Dtype = Literal["auto", "float16", "bfloat16", "float32"]
 BackendChoice = Literal[BACKEND_CHOICES]  # type: ignore[valid-type]  # engine/backends.py's registry, as a Literal
 GroupSize = Literal[GROUP_SIZE_CHOICES]  # type: ignore[valid-type]  # the methods' own sizes (methods/__init__.py)
@@ -192,6 +199,50 @@ class EvalSection(_Section):
     gates: GatesSection = Field(default_factory=GatesSection)
 
 
+class DraftSection(_Section):
+    """The draft engine of draft-target speculation (issue 30), made by the `draft` stage: convert (with `layers`: a
+    stand-in of some of the model's layers), quantize when asked, build with the target's limits unless set."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_means_defaults(cls, data: Any) -> Any:
+        return {} if data is None else data
+
+    model: Path | None = Field(None, description="Hugging Face model dir of the draft; default the recipe's model")
+    layers: list[StrictInt] | None = Field(
+        None, description="Decoder layers to keep, renumbered (convert --layers); default all"
+    )
+    quantize: QuantizeSection | None = Field(None, description="Quantize the draft, as the quantize section")
+    build: BuildSection | None = Field(
+        None, description="The draft's build; each key not set here is the target's, tokens_per_block always is"
+    )
+
+
+class SpeculativeSection(_Section):
+    """Speculative decoding measured by the eval stage (issue 30): n-gram prompt lookup or a draft engine."""
+
+    method: Literal["draft", "ngram"] = Field(description="Proposer: a draft engine, or n-gram prompt lookup")
+    num_speculative_tokens: StrictInt = Field(4, ge=1, description="Tokens drafted per step (k)")
+    prompt_lookup_min: StrictInt = Field(2, ge=1, description="n-gram: shortest suffix matched")
+    prompt_lookup_max: StrictInt = Field(4, ge=1, description="n-gram: longest suffix matched")
+    draft: DraftSection | None = Field(None, description="method draft: the draft engine (default: the model)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SpeculativeSection:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise PydanticCustomError(
+                "lookup", "prompt_lookup_min {low} > prompt_lookup_max {high}: need min <= max",
+                {"low": self.prompt_lookup_min, "high": self.prompt_lookup_max},
+            )  # fmt: skip
+        if self.method == "ngram" and self.draft is not None:
+            raise PydanticCustomError("draft", "a draft: section belongs to method draft, not ngram", {})
+        return self
+
+    def draft_section(self) -> DraftSection | None:
+        """The draft stage's settings (method draft: the section, defaults when absent), or None for n-gram."""
+        return (self.draft or DraftSection()) if self.method == "draft" else None
+
+
 class Recipe(_Section):
     """A reproducible trtbuild recipe: model x precision x target."""
 
@@ -205,6 +256,7 @@ class Recipe(_Section):
     quantize: QuantizeSection | None = None
     build: BuildSection | None = None
     eval: EvalSection | None = None
+    speculative: SpeculativeSection | None = None
 
 
 @dataclass(frozen=True)

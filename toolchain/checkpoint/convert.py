@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import itertools
 import math
 import shutil
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from toolchain.checkpoint.safetensors_io import (
     TensorInfo,
     code_of,
 )
-from toolchain.checkpoint.sharding import Rule, check_parallel, local_name, shard, shard_shape, stage_layers
+from toolchain.checkpoint.sharding import Rule, check_parallel, kept_name, local_name, shard, shard_shape, stage_layers
 from toolchain.checkpoint.spec import ExpertsFFN, spec_of
 from toolchain.checkpoint.trtllm import DTYPES, Mapping, ModelConfig, QuantConfig, rank_file, write_config
 from toolchain.errors import UserError
@@ -117,11 +118,21 @@ def _check_sources(ckpt: HFCheckpoint, arch: str, rules: list[Rule], expected: d
 
 
 def plan_conversion(
-    ckpt: HFCheckpoint, dtype: str = "auto", tp: int = 1, pp: int = 1, moe_ep: int = 1, dequantize: bool = False
+    ckpt: HFCheckpoint,
+    dtype: str = "auto",
+    tp: int = 1,
+    pp: int = 1,
+    moe_ep: int = 1,
+    dequantize: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> ConversionPlan:
+    """`layers`: keep only these decoder layers, renumbered 0..n-1 (a stand-in draft model for speculative
+    decoding, issue 30); the other layers' tensors are read by nobody, by design."""
     source = str(ckpt.root / "config.json")
     arch, family = registry.family_for(ckpt.config, source)
     cfg = family.config_from_hf(ckpt.config, resolve_dtype(dtype, ckpt), source)
+    if layers is not None:
+        check_layer_selection(layers, cfg, tp, pp, moe_ep, prequant.detect(ckpt), source)
     available = set(ckpt.tensors)
     if cfg.num_hidden_layers > len(available):  # every layer has tensors: a cheap guard before any per-layer list
         raise UserError(
@@ -150,6 +161,9 @@ def plan_conversion(
         cfg = dataclasses.replace(cfg, quantization=QuantConfig())
     _check_sources(ckpt, arch, rules, shapes)
     used = {src for rule in rules for src in rule.srcs} | read
+    if layers is not None:  # the dropped layers' rules go, their sources counted as consumed above
+        rules = [dataclasses.replace(r, dst=n) for r in rules if (n := kept_name(r.dst, layers)) is not None]
+        cfg = _subset_config(cfg, layers)
     leftovers = sorted(n for n in available - used if not any(p.fullmatch(n) for p in family.DROPPED))
     if leftovers:
         raise UserError(
@@ -167,6 +181,58 @@ def plan_conversion(
         stages.append(tuple(sorted(stage, key=lambda t: t.name)))
     source_record = {**fmt.source(), **({"dequantized": True} if dequantize else {})} if fmt else None
     return ConversionPlan(arch, cfg, tuple(stages), source_record, tuple(fmt.warnings if fmt else ()))
+
+
+def check_layer_selection(
+    layers: Sequence[int], cfg: ModelConfig, tp: int, pp: int, moe_ep: int, fmt: object, source: str
+) -> None:
+    """`--layers`: a strictly increasing list of existing decoder layers, at tp = pp = 1, from a float checkpoint,
+    of a family whose per-layer config fields we know how to subset (`layer_types`)."""
+    n = cfg.num_hidden_layers
+    shown = ",".join(map(str, layers))
+    if not layers:
+        raise UserError(f"--layers is empty; name the decoder layers to keep, e.g. --layers 0,1,2 (of 0..{n - 1})")
+    bad = [i for i in layers if not 0 <= i < n]
+    if bad:
+        raise UserError(f"--layers {shown}: layer {bad[0]} does not exist ({source} has layers 0..{n - 1})")
+    for a, b in itertools.pairwise(layers):
+        if b <= a:
+            raise UserError(
+                f"--layers {shown}: {b} after {a}; list each layer once, in increasing order (they keep their order)"
+            )
+    if (tp, pp, moe_ep) != (1, 1, 1):
+        raise UserError(
+            f"--layers {shown} with tp={tp} pp={pp} moe_ep={moe_ep}: a layer selection converts at tp=1 pp=1 only "
+            "(a draft model is a single-rank engine)"
+        )
+    if fmt is not None:
+        name = getattr(fmt, "name", "pre-quantized")
+        raise UserError(
+            f"--layers {shown}: {source} is pre-quantized ({name}); select layers of a float checkpoint, or convert "
+            "with --dequantize first"
+        )
+    for key, value in cfg.family_fields.items():
+        pattern_only = key == "_sliding_window_pattern" and "layer_types" not in cfg.family_fields
+        if pattern_only or (key not in _PER_LAYER and isinstance(value, list)):
+            raise UserError(
+                f"--layers {shown}: {cfg.architecture}'s per-layer field {key!r} cannot be subset by trtbuild; "
+                "convert every layer of this model"
+            )
+
+
+def _subset_config(cfg: ModelConfig, layers: Sequence[int]) -> ModelConfig:
+    fields = dict(cfg.family_fields)
+    if isinstance(fields.get("layer_types"), list):  # one entry per layer; Gemma 3's pattern no longer holds
+        fields["layer_types"] = [fields["layer_types"][i] for i in layers]
+        fields.pop("_sliding_window_pattern", None)
+    if isinstance(fields.get("mlp_only_layers"), list):  # layer numbers: the kept ones, renumbered
+        fields["mlp_only_layers"] = [layers.index(i) for i in fields["mlp_only_layers"] if i in layers]
+    return dataclasses.replace(cfg, num_hidden_layers=len(layers), family_fields=fields)
+
+
+# the family config's per-layer fields `--layers` subsets: gpt-oss / Gemma 3 / Qwen windows' `layer_types`, MoE
+# families' dense layers (moe.py); any other list-valued family field is refused (check_layer_selection)
+_PER_LAYER = ("layer_types", "mlp_only_layers")
 
 
 def _with_excluded(cfg: ModelConfig, made: list[prequant.Made]) -> QuantConfig:
@@ -502,13 +568,14 @@ def convert(
     record: StageRecord | None = None,
     moe_ep: int = 1,
     dequantize: bool = False,
+    layers: Sequence[int] | None = None,
 ) -> ConvertResult:
     """Convert `model_dir` into `out_dir` (atomically). Returns the summary printed by the CLI. `dequantize`: a
     pre-quantized checkpoint becomes a float one (each quantized linear's weight as its method dequantizes it)."""
     if workers < 1:
         raise UserError(f"--workers must be at least 1 (got {workers})")
     ckpt = HFCheckpoint.open(model_dir, allow_pickle=allow_pickle)
-    plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep, dequantize)
+    plan = plan_conversion(ckpt, dtype, tp, pp, moe_ep, dequantize, layers)
     record = record or StageRecord("convert")
     for msg in plan.warnings:
         console.warn(msg)
@@ -542,6 +609,15 @@ def convert(
             num_parameters=sum(math.prod(t.shape) for stage in plan.stages for t in stage),
             model_dir=str(model_dir.resolve()),
             **({"quantization_source": plan.quantization_source} if plan.quantization_source else {}),
+            **(
+                {
+                    "layers": list(layers),
+                    "note": f"a stand-in draft model made of layers {list(layers)} of "
+                    f"{ckpt.config.get('num_hidden_layers')} of {model_dir.resolve()}",
+                }
+                if layers is not None
+                else {}
+            ),
         )
         manifest = record.write(tmp)
     return ConvertResult(

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -200,6 +201,16 @@ def local_name(dst: str, layers: range, first: bool, last: bool) -> str | None:
     if dst.startswith(LAST_STAGE):
         return dst if last else None
     raise AssertionError(f"{dst}: not assigned to a pipeline stage")
+
+
+def kept_name(dst: str, layers: Sequence[int]) -> str | None:
+    """`dst` as named in a model made of the decoder `layers` only, renumbered 0..n-1 as `local_name` renumbers a
+    pipeline stage's (convert --layers: a stand-in draft model), or None when its layer is dropped."""
+    match = _LAYER.fullmatch(dst)
+    if match is None:
+        return dst
+    layer = int(match.group(1))
+    return f"transformer.layers.{layers.index(layer)}.{match.group(2)}" if layer in layers else None
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
