@@ -418,13 +418,10 @@ def _speculation(recipe: Recipe, tmp: Path) -> dict[str, Any]:
     s = recipe.speculative
     if s is None:
         return {}
-    from toolchain.evaluate import engine_eval
+    from toolchain.evaluate.engine_eval import SpecOptions
 
-    options = getattr(engine_eval, "SpecOptions", None)
-    if options is None:  # eval learns to speculate in slice A (issue 30); until then the section cannot be scored
-        raise UserError("speculative: this trtbuild's eval cannot speculate yet; drop the eval or speculative section")
     config = SpecConfig(s.method, s.num_speculative_tokens, s.prompt_lookup_min, s.prompt_lookup_max)
-    return {"speculation": options(config, tmp / STAGE_DIRS["draft"] if s.method == "draft" else None)}
+    return {"speculation": SpecOptions(config, tmp / STAGE_DIRS["draft"] if s.method == "draft" else None)}
 
 
 def _eval(recipe: Recipe, tmp: Path, out: Path, record: StageRecord) -> EvalResult:

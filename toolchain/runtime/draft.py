@@ -34,7 +34,7 @@ import torch
 
 from toolchain.engine.contract import Batch
 from toolchain.errors import UserError
-from toolchain.runtime import speculative
+from toolchain.runtime import sampler, speculative
 from toolchain.runtime.request import SamplingParams
 from toolchain.runtime.speculative import Draft, SpecConfig
 
@@ -234,23 +234,7 @@ class DraftProposer:
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The draft's q over the vocabulary: `sampler.sample`'s temperature, min-p, top-k and top-p on the draft's raw
-    row (float64, sums to 1)."""
-    import math
-
-    scores = torch.from_numpy(np.asarray(logits, dtype=np.float64))
-    scores = (scores - scores.max()) / params.temperature
-    if params.min_p > 0:
-        scores = scores.masked_fill(scores < math.log(params.min_p), float("-inf"))
-    if params.top_k and params.top_k < scores.numel():
-        keep = torch.zeros_like(scores, dtype=torch.bool)
-        keep[torch.topk(scores, params.top_k).indices] = True
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if params.top_p < 1.0:
-        ordered, index = torch.sort(probs, descending=True)
-        before = torch.cumsum(ordered, 0) - ordered
-        ordered = ordered.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(0, index, ordered)
-    out: np.ndarray = (probs / probs.sum()).numpy()
+    """The draft's q over the vocabulary: the sampler's own distribution (temperature, min-p, top-k, top-p) of the
+    draft's raw row, the definition the target's p comes from too (float64, sums to 1)."""
+    out: np.ndarray = sampler.distribution(logits, params).numpy()
     return out
