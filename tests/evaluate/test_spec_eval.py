@@ -33,9 +33,13 @@ def stories_run(stories: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         build_engine(
             root / "ckpt", root / name, BuildOptions(backend="onnxruntime", max_seq_len=256, tokens_per_block=tpb)
         )
+    convert(stories, root / "draft-ckpt", layers=[0, 1, 2, 4])  # a stand-in draft from the target's own layers
+    build_engine(
+        root / "draft-ckpt", root / "draft", BuildOptions(backend="onnxruntime", max_seq_len=256, tokens_per_block=4)
+    )
     golden = root / "golden.jsonl"
     golden.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 48}) + "\n" for p in STORY_PROMPTS))
-    return {"engine": root / "engine", "engine2": root / "engine2", "golden": golden}
+    return {"engine": root / "engine", "engine2": root / "engine2", "draft": root / "draft", "golden": golden}
 
 
 def eval_args(run: dict[str, Path], stories: Path, out: Path) -> list[Any]:
@@ -58,6 +62,7 @@ def test_eval_with_ngram_reports_spec_equal_and_acceptance_and_gates_them(
     sp = r["speculative"]
     assert sp["method"] == "ngram" and (sp["prompt_lookup_min"], sp["prompt_lookup_max"]) == (2, 4)
     assert sp["spec_equal"] == 1.0 and sp["prompts"] == len(STORY_PROMPTS)
+    assert sp["sampled_equal"] == 1.0  # seeded sampling, with and without n-gram speculation: the same tokens
     assert all(p["equal"] and p["first_divergence"] is None for p in sp["per_prompt"])
     assert 0 < sp["accepted_tokens"] < sp["draft_tokens"] and sp["drafts"] > 0
     assert sp["acceptance_rate"] == pytest.approx(sp["accepted_tokens"] / sp["draft_tokens"])
@@ -85,19 +90,21 @@ def test_eval_with_ngram_reports_spec_equal_and_acceptance_and_gates_them(
 
 
 @pytest.mark.slow
-def test_a_draft_run_that_drafts_nothing_still_runs_and_fails_its_acceptance_gate(
+def test_a_draft_run_reports_acceptance_and_a_high_bar_fails_it(
     cli: Any, stories: Path, stories_run: dict[str, Path], tmp_path: Path
 ) -> None:
-    # until the draft proposer drafts (slice B), a draft run proposes nothing: no acceptance rate, the gate fails
+    """eval --draft with a stand-in (layers 0, 1, 2, 4 of the target): token-identical greedy output, its acceptance
+    reported, and a gate above it exits 3; a draft of another block size is refused in one line before any work."""
     args = eval_args(stories_run, stories, tmp_path / "r")
-    result = cli(*args, "--draft", stories_run["engine2"], "--gate", "acceptance_rate_min=0.1", "--json")
+    result = cli(*args, "--draft", stories_run["draft"], "--gate", "acceptance_rate_min=0.99", "--json")
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     sp = report["speculative"]
-    assert sp["method"] == "draft" and sp["spec_equal"] == 1.0
-    if sp["draft_tokens"] == 0:
-        assert result.exit_code == 3 and report["gates"][0]["value"] is None
-    else:  # the draft proposer has landed
-        assert sp["acceptance_rate"] is not None
+    assert sp["method"] == "draft" and sp["spec_equal"] == 1.0 and sp["sampled_equal"] is None
+    assert sp["draft_tokens"] > 0 and 0 < sp["acceptance_rate"] < 0.99
+    assert result.exit_code == 3 and report["gates"][0]["value"] == sp["acceptance_rate"]
+    refused = cli(*eval_args(stories_run, stories, tmp_path / "r2"), "--draft", stories_run["engine2"])
+    assert refused.exit_code != 0 and "tokens_per_block" in one_line_error(refused)
+    assert not (tmp_path / "r2" / "report.json").exists()
 
 
 def test_spec_options_are_refused_before_any_work(cli: Any, stories: Path, tmp_path: Path, make_llama: Any) -> None:
@@ -189,3 +196,16 @@ def test_a_divergence_is_reported_with_the_targets_top2_margin(monkeypatch: pyte
     bad = sp["per_prompt"][1]
     assert (bad["first_divergence"], bad["plain_token"], bad["speculative_token"]) == (3, plain[1][3], plain[1][3] + 1)
     assert bad["target_top2"][0] == plain[1][3] and bad["margin"] == 1.0  # the fake's one-hot row: a clear margin
+
+
+def test_the_acceptance_ratio_gate_passes_when_old_accepted_nothing() -> None:
+    from toolchain.evaluate.diff import _old_accepted_nothing, check_gates
+
+    gates = {"acceptance_ratio_vs_old_min": 0.9, "new_acceptance_rate_min": 0.2}
+    metrics = {"acceptance_ratio": None, "acceptance_rate": 0.5}
+    checked = check_gates(gates, metrics)  # type: ignore[arg-type]
+    assert [g.passed for g in checked] == [False, True]  # no ratio: fails by itself ...
+    spec = {"old": {"acceptance_rate": 0.0}, "new": {"acceptance_rate": 0.5}}
+    assert [g.passed for g in _old_accepted_nothing(checked, spec)] == [True, True]  # ... unless OLD had none
+    spec["old"]["acceptance_rate"] = None  # type: ignore[assignment]
+    assert [g.passed for g in _old_accepted_nothing(checked, spec)] == [False, True]  # OLD not measured: still fails

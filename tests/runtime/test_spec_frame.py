@@ -102,3 +102,51 @@ def test_spec_stats_follow_vllms_definitions() -> None:
     s.observe(0, 0)  # nothing drafted: not a draft
     assert (s.drafts, s.draft_tokens, s.accepted, s.per_pos) == (2, 7, 5, [2, 2, 1, 0])
     assert s.acceptance_rate == pytest.approx(5 / 7) and s.mean_accepted_length == pytest.approx(1 + 5 / 2)
+
+
+def test_draft_slots_never_make_a_decode_preempt_another() -> None:
+    """Every decode gets its own token's block first; draft slots take only what is left (three decodes, four
+    blocks: without that order the oldest decode's slots took the block the youngest needed)."""
+    from toolchain.runtime.blocks import BlockManager
+    from toolchain.runtime.request import Request
+    from toolchain.runtime.scheduler import Scheduler
+
+    blocks = BlockManager(4, 4, 0.0, prefix_sharing=False)
+    scheduler = Scheduler(blocks, 8, 64, "max_utilization", spec_tokens=4, max_seq_len=64)
+    for i, prompt in enumerate(([1, 2, 3], [4, 5, 6], [7, 8, 9, 10])):
+        r = Request(list(prompt), SamplingParams(max_new_tokens=20), arrival=float(i))
+        r.append(11)  # one token generated: a decode is pending
+        blocks.allocate_for(r, len(r.tokens) - 1)
+        blocks.advance(r, len(r.tokens) - 1)
+        r.status = Status.RUNNING
+        scheduler.running.append(r)
+    out = scheduler.schedule()
+    assert len(out) == 3 and scheduler.preempted == 0
+    assert sum(s.spec for s in out) == 3  # the slots the last free block holds, no more
+
+
+def test_unused_draft_slots_go_back_to_the_prefills() -> None:
+    """An n-gram proposer with nothing to propose (no repeated n-gram) costs no steps: the slots it leaves go to the
+    prefill chunks of the same step."""
+
+    def run(spec: SpecConfig | None) -> int:
+        engine = FakeEngine(fake_limits(max_batch_size=16, max_num_tokens=32), model=lambda c: 3 + len(c) % 300)
+        rt = Runtime(engine, speculation=spec)
+        for i in range(12):
+            rt.add_request(list(range(10 + 20 * i, 30 + 20 * i)), SamplingParams(max_new_tokens=40))
+        rt.run()
+        return rt.steps
+
+    assert run(SpecConfig("ngram", num_speculative_tokens=4)) <= run(None) + 1
+
+
+def test_a_stop_inside_an_accepted_run_counts_as_vllm_counts_it() -> None:
+    """vLLM counts the drafts its rejection sampler accepted before the stop check cuts the output."""
+    p = [5, 9, 14, 3]
+    full = expected_output(p, 12)
+    rt = speculating(FakeEngine(), ScriptedProposer(next_token))
+    r = rt.add_request(p, SamplingParams(max_new_tokens=12, stop_token_ids=(full[2],)))
+    run_checked(rt)
+    assert r.generated == full[:3]
+    first = r.spec.to_json()
+    assert first["accepted_tokens"] == first["draft_tokens"]  # all right, though the output stopped inside the run

@@ -693,8 +693,18 @@ def diff(
         metrics.update(result.quality.new_vs_old.to_dict())
     if result.speed is not None:
         metrics.update(result.speed["ratios"])
-    checked = check_gates(gates, metrics)
+    checked = _old_accepted_nothing(check_gates(gates, metrics), result.speculative)
     return replace(result, gates=checked, passed=all(g.passed for g in checked))
+
+
+def _old_accepted_nothing(checked: list[GateResult], speculative: dict[str, Any] | None) -> list[GateResult]:
+    """OLD accepted nothing: no acceptance ratio exists and NEW cannot have fallen below OLD; that gate passes,
+    valued None."""
+    if speculative is None or speculative["old"]["acceptance_rate"] != 0:
+        return checked
+    return [
+        replace(g, passed=True) if g.gate == "acceptance_ratio_vs_old_min" and g.value is None else g for g in checked
+    ]
 
 
 def _run_models(old: Side, new: Side, data: Path | None, opts: DiffOptions, result: DiffResult) -> DiffResult:

@@ -82,15 +82,18 @@ class EngineSession:
         new_tokens: list[int],
         speculation: SpecConfig | None = None,
         draft: Engine | None = None,
+        temperature: float = 0.0,
     ) -> tuple[list[list[int]], list[SpecStats], SpecStats]:
-        """Greedy continuations as `greedy`, the runtime speculating with `speculation` (and the `draft` engine);
-        each prompt's speculation counters and the whole run's."""
+        """Greedy continuations as `greedy` (or, with a `temperature`, sampled with prompt i's seed i), the runtime
+        speculating with `speculation` (and the `draft` engine); each prompt's speculation counters and the whole
+        run's."""
         for prompt, n in zip(prompts, new_tokens, strict=True):
             if len(prompt) + n > self.limits.max_seq_len:
                 raise UserError(f"prompt + {n} new tokens exceed the engine's max_seq_len {self.limits.max_seq_len}")
         with LLMEngine(self.engine, speculation=speculation, draft_engine=draft) as llm:
             streams = [
-                llm.submit(p, SamplingParams(max_new_tokens=n)) for p, n in zip(prompts, new_tokens, strict=True)
+                llm.submit(p, SamplingParams(max_new_tokens=n, temperature=temperature, seed=i))
+                for i, (p, n) in enumerate(zip(prompts, new_tokens, strict=True))
             ]
             done = [s.result() for s in streams]
             total = llm.runtime.spec_stats
@@ -174,6 +177,9 @@ class SpecOptions:
         return out
 
 
+SAMPLED_TEMPERATURE = 0.8  # the seeded sampled replay of spec_golden: a temperature that samples, not near-greedy
+
+
 def spec_golden(
     engine: Engine, prompts: list[list[int]], new_tokens: list[int], plain: list[list[int]], spec: SpecOptions
 ) -> dict[str, Any]:
@@ -183,8 +189,13 @@ def spec_golden(
     near 0 is a numerical tie; the gate does not excuse it)."""
     session = EngineSession(engine)
     draft = open_trusted(trusted_spec(spec.draft)) if spec.config.method == "draft" and spec.draft else None
+    sampled_equal = None
     try:
         outs, per_prompt, total = session.speculative(prompts, new_tokens, spec.config, draft)
+        if spec.config.method == "ngram":  # seed-identical under sampling by its rule (runtime/rejection.py)
+            plain_sampled, _, _ = session.speculative(prompts, new_tokens, None, None, SAMPLED_TEMPERATURE)
+            spec_sampled, _, _ = session.speculative(prompts, new_tokens, spec.config, None, SAMPLED_TEMPERATURE)
+            sampled_equal = sum(a == b for a, b in zip(plain_sampled, spec_sampled, strict=True)) / len(prompts)
     finally:
         if draft is not None:
             close_engine(draft)
@@ -208,7 +219,9 @@ def spec_golden(
         "spec_equal": sum(r["equal"] for r in records) / len(records),
         **total.to_json(),
         "per_position_rate": [n / drafts for n in total.per_pos] if drafts else [],
-        "sampled_equal": None,  # the seeded sampled replay needs the sampling acceptance rule (runtime/rejection.py)
+        # n-gram: the share of seeded sampled replays identical with and without speculation (1.0 by the rule); a
+        # draft sampling from its own q is correctly distributed but not seed-identical: None
+        "sampled_equal": sampled_equal,
         "per_prompt": records,
     }
 

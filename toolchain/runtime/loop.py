@@ -73,6 +73,7 @@ class Runtime:
         self._deadlines: list[tuple[float, int, Request]] = []  # heap
         self._order = itertools.count()  # ties between equal deadlines, without comparing requests
         self.guide = Guide(tokenizer, engine.vocab_size)  # structured output
+        self._drafts: list[Draft | None] | None = None  # this step's drafts, set while scheduling
         self._prompt_logprobs_live = 0  # live requests that asked for prompt logprobs (their chunks' every row)
 
     # -- requests -----------------------------------------------------------------------------------------------
@@ -242,7 +243,8 @@ class Runtime:
         """One engine call; returns the requests that ended in it."""
         now = self.clock()
         ended = self._expire(now)
-        scheduled = self.scheduler.schedule()
+        self._drafts = None
+        scheduled = self.scheduler.schedule(self._propose_for if self.proposer is not None else None)
         if not scheduled:
             self._flush()
             return ended
@@ -251,7 +253,9 @@ class Runtime:
                 s.request.first_scheduled = now
                 s.request.num_cached = s.context_len
                 self.cached_tokens += s.context_len  # prompt tokens found in the prefix cache
-        drafts = self._propose(scheduled) if self.proposer is not None else None  # speculation: drafted tokens
+        drafts = self._drafts  # speculation: the decodes' drafted tokens (they come first in `scheduled`)
+        if drafts is not None:
+            drafts = drafts + [None] * (len(scheduled) - len(drafts))
         every = (  # sequences whose chunk needs every position's logits: prompt logprobs
             [logprobs.wants_prompt_rows(s.request, s.context_len, len(s.tokens)) for s in scheduled]
             if self._prompt_logprobs_live
@@ -334,6 +338,13 @@ class Runtime:
         self._flush()
         return ended
 
+    def _propose_for(self, decodes: list[Scheduled]) -> int:
+        """The scheduler's hook: draft into the decodes' reserved slots (kept for this step), and give back how many
+        slots went unused."""
+        self._drafts = self._propose(decodes)
+        used = sum(len(d.tokens) for d in self._drafts or () if d is not None)
+        return sum(s.spec for s in decodes) - used
+
     def _propose(self, scheduled: list[Scheduled]) -> list[Draft | None] | None:
         """The proposer's drafts for the decodes with reserved slots (None elsewhere), appended to their chunks;
         None when no sequence has slots."""
@@ -348,7 +359,9 @@ class Runtime:
                 raise RuntimeError(f"the proposer drafted {len(d.tokens)} tokens for {s.spec} slots")
             if s.request.params.grammar is not None:  # drafts the grammar refuses could only be rejected: cut
                 n = self.guide.valid_prefix(s.request, d.tokens)
-                if n == 0:
+                if n < len(d.tokens) and d.probs is not None:  # its q row decides the draw there (Draft.refused)
+                    d.refused = (d.tokens[n], d.probs[n])
+                if n == 0 and d.refused is None:
                     drafts[k] = None
                     continue
                 d.tokens, d.probs = d.tokens[:n], (d.probs[:n] if d.probs is not None else None)
@@ -380,6 +393,12 @@ class Runtime:
                 if not request.params.needs_host_logits:
                     token, logprob = greedy_ids[row], None
                     hit = token == proposed
+                elif proposed is None and draft.refused is not None:  # the grammar's cut: the residual's draw
+                    refused, q_row = draft.refused
+                    token, hit = rejection.verify_position(
+                        self._scores(request, step.rows[row]), refused, q_row, request.params, request.generator
+                    )
+                    logprob = self._logprob(request, step.rows[row], token)
                 elif proposed is None:  # the bonus token: a plain step's
                     token, logprob = self._choose(request, step.rows[row])
                     hit = False
@@ -396,6 +415,13 @@ class Runtime:
             accepted += hit
             emitted += 1
             self._accept(request, token, ended, logprob)
+            if request.done and hit and not request.params.needs_host_logits:
+                # a stop inside an accepted run: vLLM counts what its rejection sampler accepted before the stop
+                # check cuts the output, so the drafts after it that the target's argmax agrees with count too
+                for rest in range(j + 1, len(draft.tokens)):
+                    if greedy_ids[first_row + rest] != draft.tokens[rest]:
+                        break
+                    accepted += 1
             if request.done or not hit:
                 break
             self.blocks.advance(request, 1)

@@ -13,6 +13,7 @@ continuing prefills before new admissions (first come, first served). Policies:
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from toolchain.runtime import speculative
@@ -68,8 +69,8 @@ class Scheduler:
 
     def _draft_slots(self, request: Request, room: int) -> int:
         """How many drafted tokens a decode may carry this step: at most `spec_tokens`, the `room` left in the token
-        budget after every decode's own token, what max_new_tokens and max_seq_len still allow, and the blocks it
-        holds or can take now — drafts never preempt anyone."""
+        budget, what max_new_tokens and max_seq_len still allow, and the blocks it holds or can take above the
+        watermark — after every decode has its own token, so drafts never make anyone preempted."""
         if not speculative.may_speculate(request):
             return 0
         k = min(self.spec_tokens, room, request.params.max_new_tokens - len(request.generated) - 1)
@@ -77,16 +78,20 @@ class Scheduler:
             k = min(k, self.max_seq_len - len(request.tokens))
         if k <= 0:
             return 0
-        if not self.blocks.allocate_for(request, request.num_computed + 1 + k):
+        tokens = request.num_computed + 1 + k
+        if not self.blocks.can_allocate_for(request, tokens) or not self.blocks.allocate_for(request, tokens):
             k = min(k, len(request.blocks) * self.blocks.tokens_per_block - request.num_computed - 1)
         return max(k, 0)
 
-    def schedule(self) -> list[Scheduled]:
+    def schedule(self, propose: Callable[[list[Scheduled]], int] | None = None) -> list[Scheduled]:
+        """The next step's sequences: decodes first (with draft slots when speculating), then prefill chunks.
+        `propose(decodes)` fills the decodes' draft slots and returns how many it left unused: they go back to the
+        prefills' budget (an n-gram proposer often has nothing to propose)."""
         out: list[Scheduled] = []
         budget = self.max_num_tokens
         # 1. decodes, oldest first
         decodes = sorted((r for r in self.running if r.pending == 1), key=lambda r: r.arrival)
-        for n, request in enumerate(decodes):
+        for request in decodes:
             if request.status is not Status.RUNNING or budget == 0:  # preempted by an earlier decode this step
                 continue
             while not self.blocks.allocate_for(request, request.num_computed + 1):
@@ -96,9 +101,15 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is Status.RUNNING:
-                spec = self._draft_slots(request, budget - 1 - (len(decodes) - n - 1)) if self.spec_tokens else 0
-                out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed, spec))
-                budget -= 1 + spec
+                out.append(Scheduled(request, request.tokens[request.num_computed :], request.num_computed))
+                budget -= 1
+        # 1b. draft slots, from the budget and blocks every decode's own token left
+        if self.spec_tokens and out:
+            for s in out:
+                s.spec = self._draft_slots(s.request, budget)
+                budget -= s.spec
+            if propose is not None:
+                budget += propose(out)
         # 2. prefills in progress, then 3. admissions, while budget and batch room remain
         starved = False
         for request in [r for r in self.running if r.pending > 1]:

@@ -58,6 +58,10 @@ class Draft:
 
     tokens: list[int]
     probs: np.ndarray | None = None
+    # a sampled draft cut by a grammar (loop._propose): the refused token after `tokens` and the q row it was drawn
+    # from. The rule would reject it (its p is 0) and draw from the residual, so the position after the kept tokens
+    # must draw from normalize(max(p - q, 0)), not from p: a plain draw there would skew the distribution.
+    refused: tuple[int, np.ndarray] | None = None
 
 
 class Proposer(Protocol):
