@@ -40,7 +40,7 @@ from toolchain.integrity import cached_hasher
 from toolchain.manifest import StageRecord, is_artifact, read_manifest, sha256_file, verify, write_manifest
 from toolchain.quantize.results import QuantizeResult
 from toolchain.quantize.stage import QuantizeOptions, quantize_checkpoint
-from toolchain.recipe import STAGE_DIRS, BuildSection, DraftSection, LoadedRecipe, Recipe
+from toolchain.recipe import STAGE_DIRS, BuildSection, DraftSection, LoadedRecipe, QuantizeSection, Recipe
 from toolchain.runtime.speculative import SpecConfig
 
 
@@ -343,20 +343,25 @@ def _convert(recipe: Recipe, tmp: Path, record: StageRecord) -> ConvertResult:
     )
 
 
-def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> QuantizeResult:
-    q = recipe.quantize
-    assert q is not None
-    opts = QuantizeOptions(
+def _quantize_options(q: QuantizeSection, seed: int) -> QuantizeOptions:
+    """A recipe's quantize section (the target's, or the draft's) as quantize's options."""
+    return QuantizeOptions(
         q.method,
         q.kv_cache,
         q.group_size,
         q.calib_data,
         q.calib_samples,
         q.calib_seq_len,
-        recipe.seed,
+        seed,
         tuple(q.exclude),
         q.sq_alpha,
     )
+
+
+def _quantize(recipe: Recipe, tmp: Path, record: StageRecord) -> QuantizeResult:
+    q = recipe.quantize
+    assert q is not None
+    opts = _quantize_options(q, recipe.seed)
     return quantize_checkpoint(
         tmp / STAGE_DIRS["convert"], tmp / STAGE_DIRS["quantize"], opts, q.eval_data, q.eval_tokens, record=record
     )
@@ -395,18 +400,9 @@ def _draft(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
         source = work / "checkpoint"
         if draft.quantize is not None:
             q = draft.quantize
-            opts = QuantizeOptions(
-                q.method,
-                q.kv_cache,
-                q.group_size,
-                q.calib_data,
-                q.calib_samples,
-                q.calib_seq_len,
-                recipe.seed,
-                tuple(q.exclude),
-                q.sq_alpha,
+            quantize_checkpoint(
+                source, work / "quantized", _quantize_options(q, recipe.seed), q.eval_data, q.eval_tokens
             )
-            quantize_checkpoint(source, work / "quantized", opts, q.eval_data, q.eval_tokens)
             source = work / "quantized"
         opts_b = BuildOptions(b.backend, b.max_batch_size, b.max_num_tokens, b.max_seq_len, b.tokens_per_block)
         return build_engine(source, tmp / STAGE_DIRS["draft"], opts_b, record=record)
