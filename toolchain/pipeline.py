@@ -410,7 +410,7 @@ def _draft(recipe: Recipe, tmp: Path, record: StageRecord) -> BuildResult:
 
 def _speculation(recipe: Recipe, tmp: Path) -> dict[str, Any]:
     """run_eval's speculation for the recipe's `speculative:` section: the runtime's SpecConfig and, for a draft,
-    this run's `draft/` engine (eval's SpecOptions, issue 30 slice A)."""
+    this run's `draft/` engine (eval's SpecOptions)."""
     s = recipe.speculative
     if s is None:
         return {}
