@@ -14,14 +14,14 @@ import torch
 from conftest import save_random_llama
 from fakes import Spy
 
-from tests.runtime.logprob_bound import tolerance
+from tests.runtime.logprob_bound import run_keeping_logprobs, tolerance
 from toolchain.checkpoint.convert import convert
 from toolchain.engine.api import open_engine
 from toolchain.engine.build import BuildOptions, build_engine
 from toolchain.evaluate.engine_eval import EngineSession
 from toolchain.runtime.logprobs import log_softmax, token_logprob
 from toolchain.runtime.loop import Runtime
-from toolchain.runtime.request import Request, SamplingParams, Status, TokenEvent, TokenLogprob
+from toolchain.runtime.request import Request, SamplingParams, Status, TokenLogprob
 from toolchain.runtime.scheduler import Scheduler
 
 
@@ -75,18 +75,7 @@ def check_against_scorer(engine: Any, request: Request, lps: list[TokenLogprob])
 
 
 def run(rt: Runtime, jobs: list[tuple[list[int], SamplingParams]]) -> list[tuple[Request, list[TokenLogprob]]]:
-    """Add every job, keeping each request's logprobs from its events (the runtime streams them, it keeps none)."""
-    out = []
-    for prompt, params in jobs:
-        seen: list[TokenLogprob] = []
-
-        def keep(event: TokenEvent, seen: list[TokenLogprob] = seen) -> None:
-            if event.logprob is not None:
-                seen.append(event.logprob)
-
-        out.append((rt.add_request(prompt, params, on_event=keep), seen))
-    rt.run()
-    return out
+    return run_keeping_logprobs(rt, jobs)
 
 
 def test_token_logprob_top_ties_by_id_and_rank() -> None:

@@ -24,7 +24,7 @@ from conftest import save_random_llama
 from fakes import VOCAB, FakeEngine, Spy, fake_limits, next_token
 from spec_helpers import ScriptedProposer, check_blocks
 
-from tests.runtime.logprob_bound import tolerance
+from tests.runtime.logprob_bound import run_keeping_logprobs, tolerance
 from toolchain.checkpoint.convert import convert
 from toolchain.checkpoint.tiny import byte_level_tokenizer
 from toolchain.engine.api import open_engine
@@ -37,7 +37,6 @@ from toolchain.runtime.request import (
     Request,
     SamplingParams,
     Status,
-    TokenEvent,
     TokenLogprob,
 )
 from toolchain.runtime.scheduler import Scheduled
@@ -159,20 +158,7 @@ JOBS = [
 
 
 def run(rt: Runtime, jobs: Sequence[tuple[list[int], SamplingParams]]) -> list[tuple[Request, list[TokenLogprob]]]:
-    """Add every job (each request's logprobs kept from its events), run with the block books checked each step."""
-    out = []
-    for prompt, params in jobs:
-        seen: list[TokenLogprob] = []
-
-        def keep(event: TokenEvent, seen: list[TokenLogprob] = seen) -> None:
-            if event.logprob is not None:
-                seen.append(event.logprob)
-
-        out.append((rt.add_request(prompt, params, on_event=keep), seen))
-    while rt.has_work:
-        rt.step()
-        check_blocks(rt)
-    return out
+    return run_keeping_logprobs(rt, jobs, check_blocks)
 
 
 def test_point_mass_drafts_leave_seeded_output_as_without_speculation() -> None:
